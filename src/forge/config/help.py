@@ -1,0 +1,48 @@
+"""Field documentation for `forge-train --help`, read from the schemas' attribute docstrings."""
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+
+from forge.config import schema
+
+_GROUP_SCHEMAS = {
+    "model": schema.ModelConfig,
+    "parallel": schema.ParallelConfig,
+    "data": schema.EmbeddedDataConfig,
+    "optimizer": schema.OptimizerConfig,
+    "scheduler": schema.WSDScheduleConfig,
+    "train": schema.TrainConfig,
+    "checkpoint": schema.CheckpointConfig,
+    "metrics": schema.MetricsConfig,
+}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass and its bases: {field: doc}."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, following in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def field_help() -> str:
+    """One line per documented field, grouped by config group."""
+    lines = []
+    for group, cls in _GROUP_SCHEMAS.items():
+        for name, doc in field_docs(cls).items():
+            lines.append(f"  {group}.{name}: {doc}")
+    return "\n".join(lines)

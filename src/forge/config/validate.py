@@ -1,0 +1,135 @@
+"""One pass over the composed config that rejects impossible combinations before anything is allocated."""
+
+import torch
+from omegaconf import DictConfig
+
+from forge.config.errors import ConfigError
+from forge.parallel.degrees import Degrees, resolve_degrees
+from forge.parallel.env import read_dist_env
+
+DTYPES = ("auto", "bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
+ACTIVATION_CHECKPOINT = ("none", "full", "selective")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+ROUTERS = ("softmax_topk", "sigmoid_topk")
+ASYNC_MODES = ("sync", "async", "async_pinned")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value, allowed: tuple) -> None:
+    _require(value in allowed, f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def validate_model(model: DictConfig) -> None:
+    dim, heads, kv = model.dim, model.n_heads, model.n_kv_heads or model.n_heads
+    for key in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
+        _require(model[key] > 0, f"model.{key}={model[key]} must be positive")
+    _require(dim % heads == 0, f"model.dim={dim} is not divisible by model.n_heads={heads}")
+    _require((dim // heads) % 2 == 0, f"model.dim / model.n_heads = {dim // heads} must be even for RoPE")
+    _require(kv > 0 and heads % kv == 0, f"model.n_heads={heads} is not divisible by model.n_kv_heads={kv}")
+    moe = model.get("moe")
+    if moe is not None:
+        _one_of("model.moe.router", moe.router, ROUTERS)
+        _require(moe.num_experts > 0, f"model.moe.num_experts={moe.num_experts} must be positive")
+        _require(
+            0 < moe.top_k <= moe.num_experts,
+            f"model.moe.top_k={moe.top_k} must be in 1..model.moe.num_experts={moe.num_experts}",
+        )
+        _require(moe.every >= 1, f"model.moe.every={moe.every} must be at least 1")
+        _require(moe.capacity_factor >= 0, f"model.moe.capacity_factor={moe.capacity_factor} must be >= 0")
+
+
+def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
+    train = cfg.train
+    _one_of("train.dtype", train.dtype, DTYPES)
+    _one_of("train.device", train.device, DEVICES)
+    if train.device == "cuda":
+        _require(torch.cuda.is_available(), "train.device=cuda but no CUDA device is available")
+    for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):
+        _require(train[key] > 0, f"train.{key}={train[key]} must be positive")
+    _require(train.eval_every >= 0, f"train.eval_every={train.eval_every} must be >= 0")
+    _require(
+        train.seq_len <= cfg.model.max_seq_len,
+        f"train.seq_len={train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}",
+    )
+    per_step = train.micro_batch_size * degrees.dp
+    _require(
+        train.global_batch_size % per_step == 0,
+        f"train.global_batch_size={train.global_batch_size} is not divisible by train.micro_batch_size="
+        f"{train.micro_batch_size} x data-parallel ranks={degrees.dp}",
+    )
+    _require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be positive")
+    warmup = cfg.scheduler.get("warmup_steps", 0)
+    _require(warmup >= 0, f"scheduler.warmup_steps={warmup} must be >= 0")
+    _require(warmup <= train.steps, f"scheduler.warmup_steps={warmup} is longer than train.steps={train.steps}")
+    _require(
+        cfg.model.vocab_size >= cfg.data.vocab_size,
+        f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's data.vocab_size="
+        f"{cfg.data.vocab_size}",
+    )
+
+
+def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
+    parallel, model = cfg.parallel, cfg.model
+    _one_of("parallel.activation_checkpoint", parallel.activation_checkpoint, ACTIVATION_CHECKPOINT)
+    _one_of("parallel.pp_schedule", parallel.pp_schedule, PP_SCHEDULES)
+    kv = model.n_kv_heads or model.n_heads
+    _require(
+        model.n_heads % degrees.tp == 0 and kv % degrees.tp == 0,
+        f"model.n_heads={model.n_heads} and model.n_kv_heads={kv} must be divisible by parallel.tp={degrees.tp}",
+    )
+    moe = model.get("moe")
+    if degrees.ep > 1:
+        _require(moe is not None, f"parallel.ep={degrees.ep} needs an MoE model (model.moe is null)")
+        _require(
+            moe.num_experts % degrees.ep == 0,
+            f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={degrees.ep}",
+        )
+    if degrees.pp > 1:
+        _require(moe is None, f"parallel.pp={degrees.pp} is not supported with an MoE model (model.moe is set)")
+        _require(cfg.get("vlm") is None, f"parallel.pp={degrees.pp} is not supported with a VLM (vlm is set)")
+        _require(
+            model.n_layers >= degrees.pp,
+            f"model.n_layers={model.n_layers} cannot be split over parallel.pp={degrees.pp} stages",
+        )
+        stages = degrees.pp * (2 if parallel.pp_schedule == "interleaved_1f1b" else 1)
+        _require(
+            model.n_layers % stages == 0,
+            f"model.n_layers={model.n_layers} is not divisible by the {stages} pipeline stages "
+            f"(parallel.pp={degrees.pp}, parallel.pp_schedule={parallel.pp_schedule})",
+        )
+        micro = parallel.microbatches or degrees.pp
+        local_batch = cfg.train.micro_batch_size
+        _require(
+            local_batch % micro == 0,
+            f"train.micro_batch_size={local_batch} is not divisible by parallel.microbatches={micro}",
+        )
+    if parallel.fp8 and torch.cuda.is_available():
+        _require(
+            torch.cuda.get_device_capability() >= (8, 9),
+            f"parallel.fp8=true needs a GPU with float8 (compute capability >= 8.9), got "
+            f"{torch.cuda.get_device_name()}",
+        )
+
+
+def validate_checkpoint(cfg: DictConfig) -> None:
+    ckpt = cfg.checkpoint
+    _one_of("checkpoint.async_mode", ckpt.async_mode, ASYNC_MODES)
+    _require(ckpt.interval >= 0, f"checkpoint.interval={ckpt.interval} must be >= 0")
+    _require(ckpt.keep_last_n >= 1, f"checkpoint.keep_last_n={ckpt.keep_last_n} must be at least 1")
+
+
+def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
+    """Check every rule; return the resolved parallel degrees. Raises ConfigError naming the keys."""
+    if world_size is None:
+        world_size = cfg.parallel.world_size or read_dist_env().world_size
+    validate_model(cfg.model)
+    degrees = resolve_degrees(cfg.parallel, world_size)
+    validate_train(cfg, degrees)
+    validate_parallel(cfg, degrees)
+    validate_checkpoint(cfg)
+    return degrees

@@ -1,0 +1,1 @@
+"""Data: the embedded corpus, tokenizers and resumable loaders."""

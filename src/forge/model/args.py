@@ -1,0 +1,107 @@
+"""Arguments of the Llama-style decoder. Plain dataclasses: the config schema extends them."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class RopeScalingArgs:
+    """Llama-3 style frequency-dependent RoPE scaling for long context."""
+
+    factor: float = 8.0
+    """How much longer the target context is than the original one."""
+    low_freq_factor: float = 1.0
+    """Wavelengths longer than original_max_seq_len / low_freq_factor are divided by `factor`."""
+    high_freq_factor: float = 4.0
+    """Wavelengths shorter than original_max_seq_len / high_freq_factor are kept."""
+    original_max_seq_len: int = 8192
+    """Context length the base model was trained with."""
+
+
+@dataclass
+class MoEArgs:
+    """Routed mixture-of-experts replacing the dense MLP in every `every`-th block."""
+
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    num_shared_experts: int = 0
+    """Always-active experts added to the routed output."""
+    expert_ffn_dim: int = 0
+    """Hidden size of one expert; 0 uses the dense ffn size (smaller values give fine-grained experts)."""
+    every: int = 1
+    """An MoE layer in every k-th block (block i is MoE when (i + 1) % every == 0)."""
+    capacity_factor: float = 0.0
+    """Tokens per expert allowed as a multiple of the even share; 0 is dropless."""
+    router: str = "softmax_topk"
+    """Router kind: softmax_topk (aux-loss balanced) or sigmoid_topk (aux-loss-free bias balancing)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the Switch-style load-balancing loss (softmax router)."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss."""
+    bias_update_rate: float = 0.001
+    """Step size of the per-expert bias update (sigmoid router)."""
+
+
+@dataclass
+class TransformerArgs:
+    """Shape and initialisation of a Llama-style decoder."""
+
+    dim: int = 256
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 8
+    """Query heads; dim must be divisible by n_heads."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads (None = n_heads: MHA; 1: MQA; otherwise GQA). Must divide n_heads."""
+    vocab_size: int = 8192
+    """Rows of the embedding and the output head."""
+    ffn_dim: Optional[int] = None
+    """Explicit SwiGLU hidden size; None derives it from dim, ffn_dim_multiplier and multiple_of."""
+    ffn_dim_multiplier: Optional[float] = None
+    """Scales the derived hidden size (Llama 3 uses 1.3 for 8B)."""
+    multiple_of: int = 256
+    """The derived hidden size is rounded up to a multiple of this."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    rope_scaling: Optional[RopeScalingArgs] = None
+    """None, or Llama-3 style scaling of the rotary frequencies."""
+    max_seq_len: int = 2048
+    """Longest sequence the rotary tables cover."""
+    qk_norm: bool = False
+    """RMSNorm on queries and keys per head before RoPE."""
+    tie_embeddings: bool = False
+    """Share the output head's weight with the token embedding."""
+    init_std: float = 0.02
+    """Std of the normal init of linear and embedding weights."""
+    depth_init: bool = True
+    """Scale the std of output projections (wo, w2) by 1/sqrt(2 * n_layers)."""
+    moe: Optional[MoEArgs] = None
+    """None for a dense model, else the mixture-of-experts settings."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScalingArgs(**self.rope_scaling)
+        if isinstance(self.moe, dict):
+            self.moe = MoEArgs(**self.moe)

@@ -1,0 +1,167 @@
+"""A Llama-style decoder in plain PyTorch.
+
+Blocks live in an `nn.ModuleDict` keyed "0".."N-1" so parameter names survive a pipeline split, and the
+embedding, final norm and output head may be None on a stage that holds only a slice of the model.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forge.model.args import TransformerArgs
+from forge.model.rope import apply_rope, rope_tables
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings through SDPA."""
+
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        gqa = q.shape[1] != k.shape[1]
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.w3.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, layer_id: int, args: TransformerArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        moe = args.moe
+        if moe is not None and (layer_id + 1) % moe.every == 0:
+            from forge.model.moe import MoE
+
+            self.feed_forward: nn.Module = MoE(args.dim, moe.expert_ffn_dim or args.hidden_dim, moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, out_std)
+
+
+class Transformer(nn.Module):
+    """Token embedding, N blocks, final norm, output head. Any end piece may be None on a pipeline stage."""
+
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and buffer in place; call after `to_empty` from the meta device."""
+        args = self.args
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+        std = args.init_std
+        out_std = std / math.sqrt(2 * args.n_layers) if args.depth_init else std
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for block in self.layers.values():
+            block.init_weights(std, out_std)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            # to_empty() re-creates each module's parameters separately, which unties them.
+            self.output.weight = self.tok_embeddings.weight
+        elif self.output is not None:
+            head_std = args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, std=head_std, a=-3 * head_std, b=3 * head_std)
+
+    def forward(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (batch, seq) ids -> logits (batch, seq, vocab); hidden states on a stage without a head.
+
+        attn_mask: optional boolean (batch, 1, seq, seq), True where attention is allowed (already causal).
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = h.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for block in self.layers.values():
+            h = block(h, cos, sin, attn_mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def build_transformer(args: TransformerArgs, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
+    """Build on the meta device, materialise on `device` and initialise with `seed`."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.init_weights()
+    return model

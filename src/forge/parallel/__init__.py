@@ -1,0 +1,1 @@
+"""Parallelism: environment, degrees, device mesh and the ordered parallel plan."""

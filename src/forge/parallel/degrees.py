@@ -1,0 +1,59 @@
+"""Resolve the parallel degrees of a config against a world size."""
+
+from dataclasses import dataclass
+
+from forge.config.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Degrees:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    ep: int
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each sees different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+
+def resolve_degrees(parallel, world_size: int) -> Degrees:
+    """Fill the one degree set to -1 and check that the product equals the world size.
+
+    Expert parallelism borrows ranks from the data-parallel dimensions (as in torchtitan), so `ep` does not
+    enter the product; it must divide dp_shard * tp.
+    """
+    sizes = {k: int(parallel[k]) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1:
+        raise ConfigError(f"only one parallel degree may be -1, got {', '.join('parallel.' + k for k in free)}")
+    for key, value in sizes.items():
+        if value == 0 or value < -1:
+            raise ConfigError(f"parallel.{key}={value} must be a positive integer or -1")
+    fixed = 1
+    for value in sizes.values():
+        if value != -1:
+            fixed *= value
+    if free:
+        if world_size % fixed:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by the fixed parallel degrees "
+                + " x ".join(f"parallel.{k}={v}" for k, v in sizes.items() if v != -1)
+            )
+        sizes[free[0]] = world_size // fixed
+    degrees = Degrees(ep=int(parallel.ep), **sizes)
+    if degrees.world_size != world_size:
+        raise ConfigError(
+            "the product of the parallel degrees "
+            + " x ".join(f"parallel.{k}={v}" for k, v in sizes.items())
+            + f" = {degrees.world_size} does not equal the world size {world_size}"
+        )
+    if degrees.ep < 1 or (degrees.dp_shard * degrees.tp) % degrees.ep:
+        raise ConfigError(f"parallel.ep={degrees.ep} must divide parallel.dp_shard x parallel.tp")
+    return degrees

@@ -1,0 +1,1 @@
+"""The runner: builds a run from the composed config and trains."""

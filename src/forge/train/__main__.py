@@ -1,0 +1,3 @@
+from forge.train.main import main
+
+main()

@@ -1,0 +1,71 @@
+"""forge-train as a user runs it: bad input exits non-zero within seconds and writes no checkpoint."""
+
+import subprocess
+
+from tests.conftest import ROOT, forge_cmd
+
+
+def run_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        forge_cmd(*args, f"hydra.run.dir={tmp_path / 'run'}"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def assert_nothing_written(tmp_path):
+    run_dir = tmp_path / "run"
+    assert not (run_dir / "checkpoints").exists()
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_unknown_model_lists_options(tmp_path):
+    result = run_cli(tmp_path, "model=nope")
+    assert result.returncode != 0
+    assert "Could not find 'model/nope'" in result.stderr
+    for option in ("llama_tiny", "llama_125m", "llama3_8b", "moe"):
+        assert option in result.stderr
+    assert_nothing_written(tmp_path)
+
+
+def test_wrong_type_names_key_and_type(tmp_path):
+    result = run_cli(tmp_path, "train.steps=abc")
+    assert result.returncode != 0
+    assert "train.steps" in result.stderr and "Integer" in result.stderr
+    assert_nothing_written(tmp_path)
+
+
+def test_misspelled_key_is_named(tmp_path):
+    result = run_cli(tmp_path, "train.stepz=3")
+    assert result.returncode != 0
+    assert "stepz" in result.stderr
+    assert_nothing_written(tmp_path)
+
+
+def test_invalid_combination_exits_2_with_one_line(tmp_path):
+    result = run_cli(tmp_path, "model.n_heads=5")
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "model.dim=256" in lines[0] and "model.n_heads=5" in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert_nothing_written(tmp_path)
+
+
+def test_cfg_job_composes_moe_with_tp4_fsdp(tmp_path):
+    result = run_cli(tmp_path, "--cfg", "job", "model=moe", "parallel=tp4_fsdp")
+    assert result.returncode == 0, result.stderr
+    assert "num_experts: 8" in result.stdout and "tp: 4" in result.stdout
+
+
+def test_help_lists_groups_and_field_docs(tmp_path):
+    result = run_cli(tmp_path, "--help")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for group in ("model:", "parallel:", "data:", "optimizer:", "scheduler:", "train:", "checkpoint:", "metrics:"):
+        assert group in out
+    assert "llama_tiny" in out and "tp2_fsdp" in out
+    assert "train.steps: Optimizer steps." in out
+    assert "model_schema" not in out

@@ -1,0 +1,75 @@
+"""Every validation rule has a failing case whose message names the keys."""
+
+import pytest
+
+from forge.config import ConfigError, compose, validate
+
+CASES = [
+    (["model.n_heads=5"], 1, ["model.dim=256", "model.n_heads=5"]),
+    (["model.n_kv_heads=3"], 1, ["model.n_heads=8", "model.n_kv_heads=3"]),
+    (["model.dim=264", "model.n_heads=8", "model.n_kv_heads=8"], 1, ["must be even for RoPE"]),
+    (["model.n_layers=0"], 1, ["model.n_layers=0"]),
+    (["train.seq_len=2048"], 1, ["train.seq_len=2048", "model.max_seq_len=1024"]),
+    (["train.global_batch_size=12", "train.micro_batch_size=8"], 1, ["train.global_batch_size=12"]),
+    (["train.global_batch_size=8", "train.micro_batch_size=8", "parallel=fsdp"], 2, ["data-parallel ranks=2"]),
+    (["scheduler.warmup_steps=500", "train.steps=100"], 1, ["scheduler.warmup_steps=500", "train.steps=100"]),
+    (["scheduler.warmup_steps=-1"], 1, ["scheduler.warmup_steps=-1"]),
+    (["train.dtype=fp16"], 1, ["train.dtype='fp16'"]),
+    (["train.device=tpu"], 1, ["train.device='tpu'"]),
+    (["train.steps=0"], 1, ["train.steps=0"]),
+    (["train.eval_every=-1"], 1, ["train.eval_every=-1"]),
+    (["optimizer.lr=0"], 1, ["optimizer.lr=0"]),
+    (["model.vocab_size=1000"], 1, ["model.vocab_size=1000", "data.vocab_size=8192"]),
+    (["parallel=tp2_fsdp"], 3, ["world size 3", "parallel.tp=2"]),
+    (["parallel.dp_shard=2", "parallel.tp=2"], 2, ["= 4 does not equal the world size 2"]),
+    (["parallel.dp_shard=-1", "parallel.tp=-1"], 4, ["only one parallel degree"]),
+    (["parallel.dp_shard=0"], 1, ["parallel.dp_shard=0"]),
+    (["parallel=tp2", "model.n_kv_heads=1"], 2, ["model.n_kv_heads=1", "parallel.tp=2"]),
+    (["parallel=ep2_fsdp", "train.micro_batch_size=4"], 2, ["parallel.ep=2 needs an MoE model"]),
+    (
+        ["parallel=ep2_fsdp", "model=moe", "model.moe.num_experts=3", "model.moe.top_k=1", "train.micro_batch_size=4"],
+        2,
+        ["model.moe.num_experts=3", "parallel.ep=2"],
+    ),
+    (["parallel=fsdp", "parallel.ep=3", "model=moe", "train.micro_batch_size=4"], 2, ["parallel.ep=3 must divide"]),
+    (["model=moe", "model.moe.top_k=9"], 1, ["model.moe.top_k=9"]),
+    (["model=moe", "model.moe.router=hash"], 1, ["model.moe.router='hash'"]),
+    (["model=moe", "model.moe.num_experts=0"], 1, ["model.moe.num_experts=0"]),
+    (["model=moe", "model.moe.every=0"], 1, ["model.moe.every=0"]),
+    (["model=moe", "model.moe.capacity_factor=-1"], 1, ["model.moe.capacity_factor=-1"]),
+    (["parallel=pp2", "model=moe", "train.micro_batch_size=4"], 2, ["parallel.pp=2 is not supported with an MoE"]),
+    (["parallel=pp2", "model.n_layers=3", "train.micro_batch_size=4"], 2, ["model.n_layers=3", "parallel.pp=2"]),
+    (["parallel=pp2", "model.n_layers=1", "train.micro_batch_size=4"], 2, ["cannot be split"]),
+    (
+        ["parallel=pp2", "train.micro_batch_size=6", "train.global_batch_size=6"],
+        2,
+        ["train.micro_batch_size=6", "parallel.microbatches=4"],
+    ),
+    (["parallel.activation_checkpoint=some"], 1, ["parallel.activation_checkpoint='some'"]),
+    (["parallel.pp_schedule=zigzag"], 1, ["parallel.pp_schedule='zigzag'"]),
+    (["checkpoint.async_mode=later"], 1, ["checkpoint.async_mode='later'"]),
+    (["checkpoint.interval=-5"], 1, ["checkpoint.interval=-5"]),
+    (["checkpoint.keep_last_n=0"], 1, ["checkpoint.keep_last_n=0"]),
+]
+
+
+@pytest.mark.parametrize("overrides,world_size,fragments", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_rule_rejects(overrides, world_size, fragments):
+    cfg = compose(overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=world_size)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_default_config_is_valid():
+    degrees = validate(compose([]), world_size=1)
+    assert degrees.dp == 1
+
+
+def test_cuda_requested_without_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="train.device=cuda"):
+        validate(compose(["train.device=cuda"]), world_size=1)
