@@ -160,7 +160,9 @@ class CheckpointConfig:
     resume: str = "auto"
     """auto (latest complete checkpoint of the run directory), none, or a checkpoint path."""
     load_weights: Optional[str] = None
-    """Warm start: load only model weights from this checkpoint."""
+    """Warm start: load only model weights from this checkpoint (a run directory or a checkpoint folder)."""
+    load_weights_exclude: list[str] = field(default_factory=list)
+    """Key prefixes left at their initial values in a warm start (e.g. output. for a new head)."""
     async_mode: str = "sync"
     """sync, async, or async_pinned."""
 

@@ -3,7 +3,6 @@
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from forge.checkpoint import Checkpointer, RunState
 from forge.config import validate
 from forge.data.loader import TokenWindows, eval_batches
 from forge.metrics import MetricsLogger
@@ -19,12 +19,6 @@ from forge.train import build
 from forge.train.precision import autocast, resolve_dtype
 
 log = logging.getLogger("forge")
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    tokens_seen: int = 0
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -70,7 +64,8 @@ class Trainer:
         self.val_windows = TokenWindows(self.corpus.val_tokens, train.seq_len)
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * self.dp_size)
         self.tokens_per_step = train.global_batch_size * train.seq_len
-        self.state = TrainState()
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, build.config_yaml(cfg))
+        self.state = self.restore()
         self.metrics = MetricsLogger(self.run_dir, train.steps, cfg.metrics.console, cfg.metrics.smoothing)
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info(
@@ -83,6 +78,19 @@ class Trainer:
             self.dtype,
         )
         self.n_params = n_params
+
+    def restore(self) -> RunState:
+        """Resume per checkpoint.resume, or warm-start per checkpoint.load_weights, or start fresh."""
+        ckpt = self.cfg.checkpoint
+        path = self.checkpointer.resume_path()
+        if path is not None:
+            return self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.loader)
+        if ckpt.load_weights:
+            self.checkpointer.load_weights(ckpt.load_weights, self.model, tuple(ckpt.load_weights_exclude))
+        return RunState()
+
+    def save_checkpoint(self) -> None:
+        self.checkpointer.save(self.state.step, self.model, self.optimizer, self.scheduler, self.loader, self.state)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) as tensors."""
@@ -111,9 +119,9 @@ class Trainer:
     def fit(self) -> dict:
         train = self.cfg.train
         self.model.train()
-        first_val = self.evaluate()
-        self.metrics.log_eval(self.state.step, first_val)
-        val_loss = first_val
+        first_val = val_loss = self.evaluate()
+        if self.state.step == 0:
+            self.metrics.log_eval(self.state.step, first_val)
         start = last_time = time.perf_counter()
         last_tokens = self.state.tokens_seen
         loss = torch.zeros(())
@@ -141,6 +149,10 @@ class Trainer:
             if (train.eval_every and step % train.eval_every == 0) or step == train.steps:
                 val_loss = self.evaluate()
                 self.metrics.log_eval(step, val_loss)
+            self.checkpointer.poll()
+            if self.checkpointer.should_save(step, train.steps):
+                self.save_checkpoint()
+        self.checkpointer.wait()
         wall = time.perf_counter() - start
         self.metrics.close()
         summary = {

@@ -1,0 +1,43 @@
+"""Check a checkpoint's keys and shapes against the model before loading anything."""
+
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from forge.checkpoint.errors import CheckpointError
+
+
+def read_metadata(path: Path):
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
+        raise CheckpointError(f"cannot read checkpoint metadata {path / '.metadata'}: {err}") from err
+
+
+def check_model_keys(path: Path, model_state: dict, prefix: str = "model.", exclude: tuple[str, ...] = ()) -> None:
+    """Raise CheckpointError naming the first missing, unexpected or mis-shaped key."""
+    stored = {
+        key[len(prefix) :]: meta
+        for key, meta in read_metadata(path).state_dict_metadata.items()
+        if key.startswith(prefix)
+    }
+    wanted = {k: v for k, v in model_state.items() if not k.startswith(exclude)}
+    missing = sorted(set(wanted) - set(stored))
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks model key '{missing[0]}' ({len(missing)} missing in all)")
+    unexpected = sorted(k for k in set(stored) - set(model_state) if not k.startswith(exclude))
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} has model key '{unexpected[0]}' that this model does not "
+            f"({len(unexpected)} unexpected in all)"
+        )
+    for key, value in wanted.items():
+        meta = stored[key]
+        shape_differs = isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape)
+        if isinstance(value, torch.Tensor) and shape_differs:
+            raise CheckpointError(
+                f"checkpoint {path} key '{key}' has shape {tuple(meta.size)}, "
+                f"the model expects {tuple(value.shape)}"
+            )

@@ -1,0 +1,226 @@
+"""Save and resume a run with torch.distributed.checkpoint (DCP).
+
+Model and optimizer go through `get_state_dict`/`set_state_dict`, so sharded and unsharded runs read each other's
+checkpoints. Everything else a resume needs (step, tokens seen, scheduler, data-loader position, RNG states,
+tracker run ids) is small per-rank state saved beside them with torch.save and read back with weights_only=True.
+"""
+
+import logging
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from forge.checkpoint.compat import check_model_keys
+from forge.checkpoint.errors import CheckpointError
+from forge.checkpoint.layout import (
+    complete_checkpoints,
+    is_complete,
+    latest_checkpoint,
+    mark_complete,
+    resolve_checkpoint,
+    step_dir,
+    step_of,
+)
+from forge.checkpoint.rng import rng_state, set_rng_state
+
+log = logging.getLogger("forge")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@dataclass
+class RunState:
+    """What a checkpoint restores besides model and optimizer."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    tracker_ids: dict = field(default_factory=dict)
+
+
+class Checkpointer:
+    """Periodic saves, retention, and resuming for one run."""
+
+    def __init__(self, cfg, run_dir: Path, config_yaml: str = ""):
+        self.cfg = cfg
+        root = Path(cfg.dir)
+        self.root = root if root.is_absolute() else Path(run_dir) / root
+        self.config_yaml = config_yaml
+        self._pending: tuple[Future, Path] | None = None
+
+    # ---- saving -------------------------------------------------------------------------------------------------
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        interval = self.cfg.interval
+        periodic = interval > 0 and step % interval == 0
+        final = step == last_step and (interval > 0 or self.cfg.save_final)
+        return periodic or final or step in self.cfg.milestones
+
+    def save(self, step: int, model, optimizer, scheduler, loader, run_state: RunState) -> Path:
+        """Write a checkpoint of `step`; visible (sealed, `latest`) only once every rank finished writing."""
+        self.wait()
+        path = step_dir(self.root, step)
+        if _rank() == 0:
+            if path.exists():
+                shutil.rmtree(path)  # a leftover of an interrupted save of the same step
+            path.mkdir(parents=True)
+            if self.config_yaml:
+                (path / "config.yaml").write_text(self.config_yaml)
+        _barrier()
+        extra = {
+            "step": step,
+            "tokens_seen": run_state.tokens_seen,
+            "tracker_ids": dict(run_state.tracker_ids),
+            "scheduler": scheduler.state_dict(),
+            "loader": loader.state_dict(),
+            "rng": rng_state(),
+            "world_size": _world(),
+        }
+        torch.save(extra, path / f"extra-rank{_rank()}.pt")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        mode = self.cfg.async_mode
+        if mode == "sync":
+            dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            self._seal(path)
+        else:
+            future = dcp.async_save(
+                state, checkpoint_id=str(path), async_stager=self._stager(mode), no_dist=not dist.is_initialized()
+            )
+            self._pending = (future if isinstance(future, Future) else future.upload_completion, path)
+        return path
+
+    def poll(self) -> None:
+        """Called every step: seal a finished async save without blocking or a collective.
+
+        Each rank leaves a marker when its own write finished; rank 0 seals once every rank's marker is there.
+        """
+        if self._pending is None or not self._pending[0].done():
+            return
+        future, path = self._pending
+        future.result()
+        (path / f".done-rank{_rank()}").touch()
+        if _rank() != 0:
+            self._pending = None
+        elif all((path / f".done-rank{r}").exists() for r in range(_world())):
+            self._pending = None
+            self._seal_on_rank0(path)
+
+    @staticmethod
+    def _stager(mode: str):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        pinned = mode == "async_pinned" and torch.cuda.is_available()
+        return DefaultStager(
+            StagingOptions(
+                use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+            )
+        )
+
+    def wait(self) -> None:
+        """Finish an outstanding async save and seal it."""
+        if self._pending is None:
+            return
+        future, path = self._pending
+        self._pending = None
+        future.result()
+        (path / f".done-rank{_rank()}").touch()
+        self._seal(path)
+
+    def _seal(self, path: Path) -> None:
+        _barrier()
+        if _rank() == 0:
+            self._seal_on_rank0(path)
+        _barrier()
+
+    def _seal_on_rank0(self, path: Path) -> None:
+        if not is_complete(path):
+            mark_complete(self.root, path)
+            self._prune()
+            log.info("checkpoint saved: %s", path)
+
+    def _prune(self) -> None:
+        milestones = set(self.cfg.milestones)
+        periodic = [p for p in complete_checkpoints(self.root) if step_of(p) not in milestones]
+        for old in periodic[: -self.cfg.keep_last_n]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ---- resuming -----------------------------------------------------------------------------------------------
+
+    def resume_path(self) -> Path | None:
+        """The checkpoint to resume from: per checkpoint.resume (auto | none | PATH)."""
+        resume = self.cfg.resume
+        if resume in ("none", "", None):
+            return None
+        if resume == "auto":
+            return latest_checkpoint(self.root)
+        return resolve_checkpoint(resume)
+
+    def load(self, path: Path, model, optimizer, scheduler, loader) -> RunState:
+        """Restore model, optimizer, scheduler, loader and RNG from a complete checkpoint."""
+        if not is_complete(path):
+            raise CheckpointError(f"checkpoint {path} is incomplete")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        check_model_keys(path, model_sd)
+        state = {"model": model_sd, "optim": optim_sd}
+        try:
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - name the checkpoint whatever DCP raised
+            raise CheckpointError(f"cannot load checkpoint {path}: {err}") from err
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = self._extra(path)
+        scheduler.load_state_dict(extra["scheduler"])
+        loader.load_state_dict(extra["loader"])
+        if extra.get("world_size") == _world():
+            set_rng_state(extra["rng"])
+        log.info("resumed from %s at step %d", path, extra["step"])
+        return RunState(step=extra["step"], tokens_seen=extra["tokens_seen"], tracker_ids=extra["tracker_ids"])
+
+    @staticmethod
+    def _extra(path: Path) -> dict:
+        own = path / f"extra-rank{_rank()}.pt"
+        file = own if own.is_file() else path / "extra-rank0.pt"
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} lacks {file.name}")
+        try:
+            return torch.load(file, weights_only=True)
+        except Exception as err:  # noqa: BLE001
+            raise CheckpointError(f"cannot read {file}: {err}") from err
+
+    def load_weights(self, source: str, model, exclude: tuple[str, ...] = ()) -> Path:
+        """Warm start: model weights only (keys starting with an `exclude` prefix keep their init)."""
+        path = resolve_checkpoint(source)
+        model_sd = get_model_state_dict(model)
+        check_model_keys(path, model_sd, exclude=exclude)
+        wanted = {k: v for k, v in model_sd.items() if not k.startswith(exclude)}
+        state = {"model": wanted}
+        try:
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        except (Exception, CheckpointException) as err:  # noqa: BLE001
+            raise CheckpointError(f"cannot load weights from {path}: {err}") from err
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+        log.info("warm start: weights from %s", path)
+        return path

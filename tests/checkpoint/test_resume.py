@@ -1,0 +1,141 @@
+"""Save, seal, retain and resume in one process: a resumed run reproduces the uninterrupted one bit for bit."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from forge.checkpoint import CheckpointError
+from forge.config import compose
+from forge.train.trainer import Trainer
+
+TINY = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "train.seq_len=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.dtype=fp32",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "scheduler.warmup_steps=3",
+    "train.steps=12",
+]
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashingTrainer(Trainer):
+    """Dies (like a SIGKILL between steps) after `crash_after` optimizer steps of this process."""
+
+    crash_after = 7
+
+    def train_step(self):
+        if self.crash_after == 0:
+            raise Crash
+        self.crash_after -= 1
+        return super().train_step()
+
+
+def losses(run_dir) -> dict[int, float]:
+    """step -> loss, the last record of each step winning (a resumed run appends)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_is_bitwise_exact(tmp_path, mode):
+    Trainer(compose(TINY), tmp_path / "whole").fit()
+    overrides = [*TINY, "checkpoint.interval=4", f"checkpoint.async_mode={mode}"]
+    with pytest.raises(Crash):
+        CrashingTrainer(compose(overrides), tmp_path / "cut").fit()
+    assert (tmp_path / "cut/checkpoints/latest").read_text().strip() == "step-00000004"
+    resumed = Trainer(compose(overrides), tmp_path / "cut")
+    assert resumed.state.step == 4
+    resumed.fit()
+    whole, cut = losses(tmp_path / "whole"), losses(tmp_path / "cut")
+    assert sorted(cut) == list(range(1, 13))
+    assert [cut[s] for s in range(1, 13)] == [whole[s] for s in range(1, 13)]
+
+
+def test_retention_keeps_last_n_and_milestones(tmp_path):
+    cfg = compose([*TINY, "checkpoint.interval=2", "checkpoint.keep_last_n=2", "checkpoint.milestones=[4]"])
+    Trainer(cfg, tmp_path).fit()
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    assert names == ["step-00000004", "step-00000010", "step-00000012"]
+    assert (tmp_path / "checkpoints/latest").read_text().strip() == "step-00000012"
+    saved = tmp_path / "checkpoints/step-00000012"
+    assert (saved / "COMPLETE").is_file() and (saved / "config.yaml").is_file()
+    assert "dim: 64" in (saved / "config.yaml").read_text()
+
+
+def test_interval_zero_saves_nothing(tmp_path):
+    Trainer(compose(TINY), tmp_path).fit()
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_incomplete_checkpoint_is_never_loaded(tmp_path):
+    Trainer(compose([*TINY, "checkpoint.interval=4"]), tmp_path).fit()
+    root = tmp_path / "checkpoints"
+    # a half-written newer checkpoint: files but no COMPLETE marker, and a stale pointer to it
+    shutil.copytree(root / "step-00000012", root / "step-00000016")
+    (root / "step-00000016/COMPLETE").unlink()
+    (root / "latest").write_text("step-00000016\n")
+    trainer = Trainer(compose([*TINY, "checkpoint.interval=4", "train.steps=16"]), tmp_path)
+    assert trainer.state.step == 12
+    with pytest.raises(CheckpointError, match="incomplete"):
+        Trainer(compose([*TINY, f"checkpoint.resume={root / 'step-00000016'}"]), tmp_path / "other")
+
+
+def test_mismatching_checkpoint_names_the_key(tmp_path):
+    Trainer(compose([*TINY, "checkpoint.interval=12"]), tmp_path / "a")
+    Trainer(compose([*TINY, "checkpoint.interval=12"]), tmp_path / "a").fit()
+    wider = [*TINY, "model.ffn_dim=96", f"checkpoint.resume={tmp_path / 'a'}"]
+    with pytest.raises(CheckpointError, match=r"layers.0.feed_forward.w1.weight' has shape \(128, 64\)"):
+        Trainer(compose(wider), tmp_path / "b")
+    deeper = [*TINY, "model.n_layers=3", f"checkpoint.resume={tmp_path / 'a'}"]
+    with pytest.raises(CheckpointError, match="lacks model key 'layers.2"):
+        Trainer(compose(deeper), tmp_path / "c")
+    shallower = [*TINY, "model.n_layers=1", f"checkpoint.resume={tmp_path / 'a'}"]
+    with pytest.raises(CheckpointError, match="has model key 'layers.1"):
+        Trainer(compose(shallower), tmp_path / "d")
+
+
+def test_corrupt_or_missing_files_are_named(tmp_path):
+    Trainer(compose([*TINY, "checkpoint.interval=12"]), tmp_path / "a").fit()
+    ckpt = tmp_path / "a/checkpoints/step-00000012"
+    data = next(ckpt.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="cannot load checkpoint"):
+        Trainer(compose([*TINY, f"checkpoint.resume={ckpt}"]), tmp_path / "b")
+    (ckpt / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=".metadata"):
+        Trainer(compose([*TINY, f"checkpoint.resume={ckpt}"]), tmp_path / "c")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Trainer(compose([*TINY, f"checkpoint.resume={tmp_path / 'nowhere'}"]), tmp_path / "d")
+
+
+def test_warm_start_loads_weights_only(tmp_path):
+    Trainer(compose([*TINY, "checkpoint.interval=12"]), tmp_path / "a").fit()
+    source = Trainer(compose([*TINY, "checkpoint.resume=none"]), tmp_path / "x")
+    warm = Trainer(
+        compose([*TINY, f"checkpoint.load_weights={tmp_path / 'a'}", "checkpoint.load_weights_exclude=[output.]"]),
+        tmp_path / "b",
+    )
+    trained = Trainer(compose([*TINY, f"checkpoint.resume={tmp_path / 'a'}"]), tmp_path / "c")
+    assert warm.state.step == 0
+    assert torch.equal(warm.model.layers["0"].attention.wq.weight, trained.model.layers["0"].attention.wq.weight)
+    assert not torch.equal(warm.model.layers["0"].attention.wq.weight, source.model.layers["0"].attention.wq.weight)
+    assert torch.equal(warm.model.output.weight, source.model.output.weight)
+    assert not warm.optimizer.state
