@@ -38,6 +38,5 @@ def check_model_keys(path: Path, model_state: dict, prefix: str = "model.", excl
         shape_differs = isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape)
         if isinstance(value, torch.Tensor) and shape_differs:
             raise CheckpointError(
-                f"checkpoint {path} key '{key}' has shape {tuple(meta.size)}, "
-                f"the model expects {tuple(value.shape)}"
+                f"checkpoint {path} key '{key}' has shape {tuple(meta.size)}, the model expects {tuple(value.shape)}"
             )

@@ -1,0 +1,134 @@
+"""Read a model from any supported source and write it to any supported format.
+
+Sources: a run directory (its latest checkpoint), a DCP checkpoint folder, a consolidated torch or safetensors file,
+or a Hugging Face Llama folder. Targets: hf, dcp, torch, safetensors.
+"""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from forge.checkpoint.errors import CheckpointError
+from forge.checkpoint.hf import load_hf, save_hf
+from forge.checkpoint.layout import mark_complete, resolve_checkpoint, step_dir
+from forge.model import Transformer, TransformerArgs
+
+FORMATS = ("hf", "dcp", "torch", "safetensors")
+_ARGS_KEY = "forge_args"
+
+
+def args_from_dict(model_cfg: dict) -> TransformerArgs:
+    fields = {f.name for f in dataclasses.fields(TransformerArgs)}
+    return TransformerArgs(**{k: v for k, v in model_cfg.items() if k in fields})
+
+
+def empty_model(args: TransformerArgs) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
+def _load_dcp(path: Path) -> tuple[dict, TransformerArgs, Path]:
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        raise CheckpointError(f"checkpoint {path} has no config.yaml to build the model from")
+    args = args_from_dict(yaml.safe_load(config_file.read_text())["model"])
+    model = empty_model(args)
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except BaseException as err:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        raise CheckpointError(f"cannot load checkpoint {path}: {err}") from err
+    return state["model"], args, path
+
+
+def load_any(source: str | Path) -> tuple[dict[str, torch.Tensor], TransformerArgs, Path | None]:
+    """(state dict in forge names, model args, the checkpoint folder when the source was DCP)."""
+    src = Path(source).expanduser()
+    if not src.exists():
+        raise CheckpointError(f"{src} does not exist")
+    if src.is_dir() and (src / "config.json").is_file():
+        state, args = load_hf(src)
+        return state, args, None
+    if src.is_file() and src.suffix == ".safetensors":
+        with safe_open(str(src), framework="pt") as f:
+            meta = f.metadata() or {}
+            if _ARGS_KEY not in meta:
+                raise CheckpointError(f"{src} carries no '{_ARGS_KEY}' metadata (not written by forge-convert)")
+            state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        return state, args_from_dict(json.loads(meta[_ARGS_KEY])), None
+    if src.is_file():
+        try:
+            blob = torch.load(src, weights_only=True, map_location="cpu")
+        except Exception as err:  # noqa: BLE001
+            raise CheckpointError(f"cannot read {src}: {err}") from err
+        if not isinstance(blob, dict) or "model" not in blob or "args" not in blob:
+            raise CheckpointError(f"{src} is not a consolidated forge file (expected keys 'model' and 'args')")
+        return blob["model"], args_from_dict(blob["args"]), None
+    return _load_dcp(resolve_checkpoint(src))
+
+
+def _copy_tokenizer(checkpoint: Path | None, source: Path, dst: Path) -> None:
+    """Tokenizer files travel with an HF export when the source has them."""
+    for folder in [source] + ([checkpoint] if checkpoint else []):
+        if folder.is_dir():
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                if (folder / name).is_file():
+                    shutil.copy2(folder / name, dst / name)
+
+
+def save_as(fmt: str, state: dict[str, torch.Tensor], args: TransformerArgs, dst: Path) -> None:
+    args_dict = dataclasses.asdict(args)
+    if fmt == "hf":
+        save_hf(state, args, dst)
+    elif fmt == "torch":
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": {k: v.contiguous() for k, v in state.items()}, "args": args_dict}, dst)
+    elif fmt == "safetensors":
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.contiguous().clone() for k, v in state.items()}
+        if args.tie_embeddings:
+            tensors.pop("output.weight", None)
+        save_file(tensors, str(dst), metadata={_ARGS_KEY: json.dumps(args_dict)})
+    elif fmt == "dcp":
+        path = step_dir(dst, 0)
+        path.mkdir(parents=True, exist_ok=True)
+        dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
+        (path / "config.yaml").write_text(yaml.safe_dump({"model": args_dict}))
+        mark_complete(dst, path)
+    else:
+        raise CheckpointError(f"--to {fmt!r} is not one of {', '.join(FORMATS)}")
+
+
+def convert(fmt: str, source: str | Path, dst: str | Path) -> None:
+    state, args, checkpoint = load_any(source)
+    if args.tie_embeddings and "output.weight" not in state:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    dst = Path(dst).expanduser()
+    save_as(fmt, state, args, dst)
+    if fmt == "hf":
+        _copy_tokenizer(checkpoint, Path(source), dst)
+
+
+def load_pretrained(path: str | Path) -> Transformer:
+    """Our model with its weights, on CPU, in eval mode, from any source `forge-convert` reads."""
+    state, args, _ = load_any(path)
+    model = empty_model(args)
+    if args.tie_embeddings:
+        state = {k: v for k, v in state.items() if k != "output.weight"}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (args.tie_embeddings and k == "output.weight")]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: missing keys {missing[:3]}, unexpected keys {unexpected[:3]}")
+    return model.eval()
