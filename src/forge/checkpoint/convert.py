@@ -80,12 +80,24 @@ def load_any(source: str | Path) -> tuple[dict[str, torch.Tensor], TransformerAr
 
 
 def _copy_tokenizer(checkpoint: Path | None, source: Path, dst: Path) -> None:
-    """Tokenizer files travel with an HF export when the source has them."""
+    """Tokenizer files travel with an HF export: copied from an HF source, or rebuilt from the run's data config."""
     for folder in [source] + ([checkpoint] if checkpoint else []):
         if folder.is_dir():
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 if (folder / name).is_file():
                     shutil.copy2(folder / name, dst / name)
+    if checkpoint is None or (dst / "tokenizer.json").is_file():
+        return
+    data_cfg = yaml.safe_load((checkpoint / "config.yaml").read_text()).get("data")
+    if not data_cfg or "_target_" not in data_cfg:
+        return
+    from hydra.utils import instantiate
+    from transformers import PreTrainedTokenizerFast
+
+    from forge.data.tokenizer import EOS
+
+    corpus = instantiate(data_cfg)
+    PreTrainedTokenizerFast(tokenizer_object=corpus.tokenizer, eos_token=EOS).save_pretrained(dst)
 
 
 def save_as(fmt: str, state: dict[str, torch.Tensor], args: TransformerArgs, dst: Path) -> None:

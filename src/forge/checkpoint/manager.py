@@ -79,8 +79,26 @@ class Checkpointer:
         final = step == last_step and (interval > 0 or self.cfg.save_final)
         return periodic or final or step in self.cfg.milestones
 
-    def save(self, step: int, model, optimizer, scheduler, loader, run_state: RunState) -> Path:
-        """Write a checkpoint of `step`; visible (sealed, `latest`) only once every rank finished writing."""
+    def save(self, step: int, model, optimizer, scheduler, loader, run_state: RunState) -> Path | None:
+        """Write a checkpoint of `step`; visible (sealed, `latest`) only once every rank finished writing.
+
+        A failed write (full disk, unwritable folder) raises CheckpointError, or with checkpoint.on_save_error=continue
+        is logged and training goes on; either way the previous checkpoint stays the latest.
+        """
+        try:
+            return self._save(step, model, optimizer, scheduler, loader, run_state)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - every failure to write: one clear error
+            path = step_dir(self.root, step)
+            free = shutil.disk_usage(self.root).free if self.root.exists() else 0
+            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            message = f"cannot write checkpoint {path}: {reason} ({free / 1e6:.1f} MB free on that disk)"
+            if self.cfg.on_save_error == "continue":
+                log.error("%s; training continues, the latest checkpoint is still %s", message, self.latest())
+                self._pending = None
+                return None
+            raise CheckpointError(message) from err
+
+    def _save(self, step: int, model, optimizer, scheduler, loader, run_state: RunState) -> Path:
         self.wait()
         path = step_dir(self.root, step)
         if _rank() == 0:
@@ -178,6 +196,10 @@ class Checkpointer:
         if resume == "auto":
             return latest_checkpoint(self.root)
         return resolve_checkpoint(resume)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint of this run."""
+        return latest_checkpoint(self.root)
 
     def load(self, path: Path, model, optimizer, scheduler, loader) -> RunState:
         """Restore model, optimizer, scheduler, loader and RNG from a complete checkpoint."""

@@ -16,6 +16,7 @@ _GROUP_SCHEMAS = {
     "train": schema.TrainConfig,
     "checkpoint": schema.CheckpointConfig,
     "metrics": schema.MetricsConfig,
+    "resilience": schema.ResilienceConfig,
 }
 
 

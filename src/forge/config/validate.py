@@ -119,8 +119,23 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
 def validate_checkpoint(cfg: DictConfig) -> None:
     ckpt = cfg.checkpoint
     _one_of("checkpoint.async_mode", ckpt.async_mode, ASYNC_MODES)
+    _one_of("checkpoint.on_save_error", ckpt.on_save_error, ("raise", "continue"))
     _require(ckpt.interval >= 0, f"checkpoint.interval={ckpt.interval} must be >= 0")
     _require(ckpt.keep_last_n >= 1, f"checkpoint.keep_last_n={ckpt.keep_last_n} must be at least 1")
+
+
+def validate_resilience(cfg: DictConfig) -> None:
+    from forge.resilience.nonfinite import POLICIES
+
+    res = cfg.resilience
+    _one_of("resilience.nonfinite_policy", res.nonfinite_policy, POLICIES)
+    for name in res.preemption_signals:
+        _require(name in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"), f"resilience.preemption_signals has {name!r}")
+    if res.nonfinite_policy == "rollback":
+        _require(
+            cfg.checkpoint.interval > 0,
+            "resilience.nonfinite_policy=rollback needs periodic checkpoints (checkpoint.interval > 0)",
+        )
 
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
@@ -132,4 +147,5 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_train(cfg, degrees)
     validate_parallel(cfg, degrees)
     validate_checkpoint(cfg)
+    validate_resilience(cfg)
     return degrees

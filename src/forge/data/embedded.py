@@ -53,7 +53,9 @@ def _encode(tokenizer: Tokenizer, docs: list[str], eos_id: int, dtype) -> np.nda
 class EmbeddedCorpus:
     """Train and validation token arrays of the embedded corpus, plus its tokenizer."""
 
-    def __init__(self, tokenizer: str, vocab_size: int, cache_dir: str, val_every: int = 20):
+    def __init__(
+        self, tokenizer: str, vocab_size: int, cache_dir: str, val_every: int = 20, document_masking: bool = False
+    ):
         if tokenizer not in ("bpe8k", "gpt2"):
             raise ValueError(f"data.tokenizer={tokenizer!r} is not one of bpe8k, gpt2")
         scenes = read_scenes()
@@ -70,6 +72,7 @@ class EmbeddedCorpus:
         self.train_tokens = self._tokens(folder / "train.npy", train_docs, dtype)
         self.val_tokens = self._tokens(folder / "val.npy", val_docs, dtype)
         self.folder = folder
+        self.document_masking = document_masking
 
     def _load_tokenizer(self, kind: str, vocab_size: int, docs: list[str], folder: Path) -> Tokenizer:
         if kind == "gpt2":

@@ -3,6 +3,17 @@
 import numpy as np
 import torch
 
+from forge.data.documents import document_ids, mask_boundary_labels
+
+
+def split_sample(samples: torch.Tensor, document_eos: int | None):
+    """(inputs, labels) of stacked samples of seq_len + 1 tokens; with `document_eos`, (inputs, labels, doc_ids)
+    where labels across a document boundary are -100."""
+    inputs, labels = samples[:, :-1], samples[:, 1:]
+    if document_eos is None:
+        return inputs, labels
+    return inputs, mask_boundary_labels(inputs, labels, document_eos), document_ids(inputs, document_eos)
+
 
 class TokenWindows:
     """Non-overlapping samples of seq_len + 1 tokens (inputs and shifted labels) from a flat token array."""
@@ -27,10 +38,22 @@ class BatchLoader:
 
     Each call draws the next `micro_batch * dp_size` samples of a seeded per-epoch permutation; rank r takes
     its contiguous slice. The position (epoch, cursor) is the whole state, so resuming is exact, and a resume
-    with a different dp_size continues the same global sample order.
+    with a different dp_size continues the same global sample order. With `document_eos` (the EOS id) a batch
+    also carries document ids and labels never cross a document (see forge.data.documents).
     """
 
-    def __init__(self, windows: TokenWindows, micro_batch: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+    lr_scale = 1.0
+    """Learning-rate factor asked by the data (mixture phases); always 1 here."""
+
+    def __init__(
+        self,
+        windows: TokenWindows,
+        micro_batch: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        document_eos: int | None = None,
+    ):
         if micro_batch * dp_size > len(windows):
             raise ValueError(f"{len(windows)} samples cannot fill one batch of {micro_batch} x {dp_size} ranks")
         self.windows = windows
@@ -38,6 +61,7 @@ class BatchLoader:
         self.seed = seed
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.document_eos = document_eos
         self.epoch = 0
         self.cursor = 0
         self._order = self._permutation(0)
@@ -45,8 +69,8 @@ class BatchLoader:
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels), each (micro_batch, seq_len) int64."""
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        """(inputs, labels), each (micro_batch, seq_len) int64, plus doc_ids with document masking."""
         span = self.micro_batch * self.dp_size
         if self.cursor + span > len(self.windows):
             self.epoch += 1
@@ -56,7 +80,11 @@ class BatchLoader:
         indices = self._order[start : start + self.micro_batch]
         self.cursor += span
         samples = torch.from_numpy(np.stack([self.windows[int(i)] for i in indices]))
-        return samples[:, :-1], samples[:, 1:]
+        return split_sample(samples, self.document_eos)
+
+    def metrics(self) -> dict:
+        """Extra numbers for the training log (none for a single source)."""
+        return {}
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed}
@@ -68,10 +96,26 @@ class BatchLoader:
         self._order = self._permutation(self.epoch)
 
 
-def eval_batches(windows: TokenWindows, micro_batch: int, count: int, dp_rank: int = 0, dp_size: int = 1):
+def eval_batches(
+    windows: TokenWindows,
+    micro_batch: int,
+    count: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    document_eos: int | None = None,
+):
     """The first `count` validation micro-batches for this rank, in a fixed order (the same at every eval)."""
     per_rank = max(1, min(count, len(windows) // (micro_batch * dp_size)))
     for b in range(per_rank):
         start = (b * dp_size + dp_rank) * micro_batch
         samples = torch.from_numpy(np.stack([windows[i] for i in range(start, start + micro_batch)]))
-        yield samples[:, :-1], samples[:, 1:]
+        yield split_sample(samples, document_eos)
+
+
+def batch_to_device(batch: tuple[torch.Tensor, ...], device: torch.device):
+    """(inputs, labels, attn_mask or None) on `device`; the dense document mask is built when doc_ids are present."""
+    from forge.data.documents import dense_attention_mask
+
+    inputs, labels = batch[0].to(device), batch[1].to(device)
+    attn_mask = dense_attention_mask(batch[2].to(device)) if len(batch) > 2 else None
+    return inputs, labels, attn_mask

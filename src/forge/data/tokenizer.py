@@ -41,3 +41,36 @@ def gpt2_tokenizer() -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """A fast tokenizer by name: `gpt2` (from the package), a tokenizer.json file, or a Hugging Face folder."""
+    if name == "gpt2":
+        return gpt2_tokenizer()
+    path = Path(name).expanduser()
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+            raise ValueError(f"tokenizer={name!r} is not a readable tokenizer.json ({err})") from None
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path))
+        except Exception as err:  # transformers raises many types for an incomplete folder
+            raise ValueError(f"tokenizer={name!r}: not a Hugging Face tokenizer folder ({err})") from None
+        if not getattr(hf, "is_fast", False):
+            raise ValueError(f"tokenizer={name!r} has no fast (Rust) tokenizer; convert it to tokenizer.json")
+        return hf.backend_tokenizer
+    raise FileNotFoundError(f"tokenizer={name!r} is neither gpt2, a tokenizer.json file nor a tokenizer folder")
+
+
+def eos_id_of(tokenizer: Tokenizer, eos_token: str | None = None) -> int:
+    """Id of the end-of-document token: `eos_token` if given, else <|endoftext|>, </s> or <eos>."""
+    candidates = [eos_token] if eos_token else [EOS, "</s>", "<eos>", "<|end_of_text|>"]
+    for token in candidates:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise ValueError(f"the tokenizer has no end-of-document token among {candidates}; set eos_token")

@@ -1,5 +1,16 @@
-"""Metrics: metrics.jsonl, the console line and trackers."""
+"""Metrics: metrics.jsonl, the console line, trackers, FLOPs/MFU, memory and the profiler."""
 
+from forge.metrics.flops import count_flops_per_token, training_flops_per_token
 from forge.metrics.logger import MetricsLogger
+from forge.metrics.meter import StepMeter
+from forge.metrics.peak import resolve_peak
+from forge.metrics.profiler import StepProfiler
 
-__all__ = ["MetricsLogger"]
+__all__ = [
+    "MetricsLogger",
+    "StepMeter",
+    "StepProfiler",
+    "count_flops_per_token",
+    "resolve_peak",
+    "training_flops_per_token",
+]

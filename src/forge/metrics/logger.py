@@ -1,12 +1,18 @@
-"""metrics.jsonl (always) and the console line."""
+"""metrics.jsonl (always), the console line and the optional trackers."""
 
 import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from forge.metrics.trackers import Tracker, build_trackers
 
 log = logging.getLogger("forge")
+
+CONSOLE_MODES = ("line", "quiet")
 
 
 def format_duration(seconds: float) -> str:
@@ -16,10 +22,35 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
 
 
-class MetricsLogger:
-    """Appends one JSON object per record to run_dir/metrics.jsonl and prints a console line."""
+def speed_text(metrics: dict) -> str:
+    """' | step 0.123s (data 1%) | MFU 12.3% | mem 1.2/3.4 GiB' for the fields present."""
+    parts = []
+    if "step_time" in metrics:
+        data = metrics.get("data_wait")
+        share = f" (data {100 * data / metrics['step_time']:.0f}%)" if data is not None and metrics["step_time"] else ""
+        parts.append(f"step {metrics['step_time']:.3f}s{share}")
+    if "mfu" in metrics:
+        parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
+    if "mem_peak_gib" in metrics:
+        parts.append(f"mem {metrics['mem_allocated_gib']:.2f}/{metrics['mem_peak_gib']:.2f} GiB")
+    elif "mem_rss_gib" in metrics:
+        parts.append(f"rss {metrics['mem_rss_gib']:.2f} GiB")
+    return "".join(f" | {p}" for p in parts)
 
-    def __init__(self, run_dir: Path, total_steps: int, console: str = "line", smoothing: float = 0.9):
+
+class MetricsLogger:
+    """Appends one JSON object per record to run_dir/metrics.jsonl, prints a console line, feeds the trackers."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        console: str = "line",
+        smoothing: float = 0.9,
+        trackers: Sequence[Tracker] = (),
+    ):
+        if console not in CONSOLE_MODES:
+            raise ValueError(f"metrics.console={console!r} is not one of {CONSOLE_MODES}")
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
@@ -27,24 +58,44 @@ class MetricsLogger:
         self.console = console
         self.smoothing = smoothing
         self.smoothed: float | None = None
+        self.trackers = list(trackers)
         self.start = time.perf_counter()
 
-    def _write(self, record: dict) -> None:
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Any,
+        run_dir: Path,
+        total_steps: int,
+        tracker_ids: dict[str, str] | None = None,
+        config: dict | None = None,
+    ) -> "MetricsLogger":
+        """From a MetricsConfig; `tracker_ids` (from a checkpoint) continue the same tracker runs."""
+        trackers = build_trackers(cfg, Path(run_dir), dict(tracker_ids or {}), config)
+        return cls(run_dir, total_steps, cfg.console, cfg.smoothing, trackers)
+
+    def tracker_ids(self) -> dict[str, str]:
+        """Run ids by tracker name (what a checkpoint stores to resume the same runs)."""
+        return {t.name: t.run_id for t in self.trackers if t.run_id is not None}
+
+    def _write(self, step: int, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        values = {k: v for k, v in record.items() if k != "step"}
+        for tracker in self.trackers:
+            tracker.log(step, values)
 
     def log_train(self, step: int, metrics: dict) -> None:
         loss = metrics["loss"]
         if math.isfinite(loss):
             s = self.smoothed
             self.smoothed = loss if s is None else self.smoothing * s + (1 - self.smoothing) * loss
-        record = {"step": step, **metrics, "loss_smooth": self.smoothed}
-        self._write(record)
+        self._write(step, {"step": step, **metrics, "loss_smooth": self.smoothed})
         if self.console == "line":
             elapsed = time.perf_counter() - self.start
             eta = elapsed / max(step, 1) * (self.total_steps - step)
             log.info(
-                "step %*d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | ETA %s",
+                "step %*d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s%s | ETA %s",
                 len(str(self.total_steps)),
                 step,
                 self.total_steps,
@@ -52,13 +103,17 @@ class MetricsLogger:
                 metrics["lr"],
                 metrics["grad_norm"],
                 f"{metrics['tokens_per_s']:,.0f}",
+                speed_text(metrics),
                 format_duration(eta),
             )
 
     def log_eval(self, step: int, val_loss: float) -> None:
-        self._write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
+        val_ppl = math.exp(min(val_loss, 50.0))
+        self._write(step, {"step": step, "val_loss": val_loss, "val_ppl": val_ppl})
         if self.console == "line":
-            log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, math.exp(min(val_loss, 50.0)))
+            log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, val_ppl)
 
     def close(self) -> None:
         self._file.close()
+        for tracker in self.trackers:
+            tracker.close()

@@ -41,7 +41,13 @@ class MoEArgs:
     z_loss_coef: float = 0.001
     """Weight of the router z-loss."""
     bias_update_rate: float = 0.001
-    """Step size of the per-expert bias update (sigmoid router)."""
+    """Step size of the per-expert bias update (sigmoid router): bias += rate * sign(mean load - load) per step."""
+    aux_loss_scope: str = "micro_batch"
+    """Tokens the load-balancing loss averages over: micro_batch (Switch) or sequence (DeepSeek-V3's per-sequence
+    loss, averaged over the sequences)."""
+    grouped_mm: bool = False
+    """Run the experts as grouped GEMMs (torch._grouped_mm; bf16 needs dim and expert size multiples of 8) instead
+    of one matmul chain per expert."""
 
 
 @dataclass

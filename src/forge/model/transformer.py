@@ -11,7 +11,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge.model.args import TransformerArgs
-from forge.model.rope import apply_rope, rope_tables
+from forge.model.rope import apply_rope, rope_tables, rotate_half
+
+
+class KVCache:
+    """Keys and values of the positions already seen, per layer id, so incremental decoding feeds only new tokens."""
+
+    def __init__(self):
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def length(self) -> int:
+        """Positions cached so far (the same in every layer)."""
+        return next(iter(self.layers.values()))[0].shape[2] if self.layers else 0
+
+    def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (batch, heads, new, head_dim) keys and values; return all of this layer's so far."""
+        if layer_id in self.layers:
+            past_k, past_v = self.layers[layer_id]
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        self.layers[layer_id] = (k, v)
+        return k, v
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope for shared (seq, head_dim) tables or per-sequence (batch, seq, head_dim) ones."""
+    if cos.dim() == 2:
+        return apply_rope(x, cos, sin)
+    return x * cos[:, :, None].to(x.dtype) + rotate_half(x) * sin[:, :, None].to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -28,7 +55,13 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        layer_id: int = 0,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
@@ -37,8 +70,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.update(layer_id, k, v)
         gqa = q.shape[1] != k.shape[1]
         if attn_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -91,9 +126,15 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
+        # cache and layer_id by keyword: the tensor-parallel plan lays out the four positional inputs.
+        x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask, cache=cache, layer_id=self.layer_id)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -141,16 +182,34 @@ class Transformer(nn.Module):
             head_std = args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, std=head_std, a=-3 * head_std, b=3 * head_std)
 
-    def forward(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens (batch, seq) ids -> logits (batch, seq, vocab); hidden states on a stage without a head.
 
-        attn_mask: optional boolean (batch, 1, seq, seq), True where attention is allowed (already causal).
+        attn_mask: optional boolean (batch, 1, seq, seq), True where attention is allowed (already causal); with a
+        cache it spans (batch, 1, seq, cached + seq).
+        cache: a KVCache to read past keys/values from and append these positions to (incremental decoding).
+        positions: optional (batch, seq) rotary positions; default cache.length + 0..seq-1 (0.. without a cache).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        if positions is None and cache is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            if positions is None:
+                positions = torch.arange(cache.length, cache.length + seq, device=h.device)[None]
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            if attn_mask is None and cache is not None:  # causal, aligned to the end of the cached keys
+                past = cache.length
+                keys = torch.arange(past + seq, device=h.device)
+                attn_mask = (keys[None, :] <= past + torch.arange(seq, device=h.device)[:, None])[None, None]
         for block in self.layers.values():
-            h = block(h, cos, sin, attn_mask)
+            h = block(h, cos, sin, attn_mask, cache)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -48,10 +48,33 @@ def build_corpus(cfg: DictConfig):
     return instantiate(cfg.data)
 
 
-def build_loader(cfg: DictConfig, tokens, dp_rank: int, dp_size: int) -> BatchLoader:
-    windows = TokenWindows(tokens, cfg.train.seq_len)
-    return BatchLoader(windows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size)
+def build_loader(cfg: DictConfig, corpus, dp_rank: int, dp_size: int):
+    """The training loader of a corpus (or of a bare token array): the corpus's own (mixtures) or a BatchLoader."""
+    train = cfg.train
+    if hasattr(corpus, "make_loader"):
+        return corpus.make_loader(
+            train.seq_len, train.micro_batch_size, train.global_batch_size, train.seed, dp_rank, dp_size
+        )
+    tokens = getattr(corpus, "train_tokens", corpus)
+    windows = TokenWindows(tokens, train.seq_len)
+    return BatchLoader(windows, train.micro_batch_size, train.seed, dp_rank, dp_size, document_eos(cfg, corpus))
+
+
+def document_eos(cfg: DictConfig, corpus) -> int | None:
+    """The EOS id when data.document_masking is on (batches then carry document ids), else None."""
+    return corpus.eos_id if cfg.data.get("document_masking", False) else None
 
 
 def config_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def materialize_parallel(cfg: DictConfig, model: nn.Module, device: torch.device, seed: int) -> None:
+    """`materialize` for a model the parallel plan has sharded: the same initial weights as one process."""
+    from forge.model.transformer import build_transformer
+    from forge.parallel.init import has_dtensor_parameters, materialize_from_reference
+
+    if not has_dtensor_parameters(model):
+        materialize(model, device, seed)
+        return
+    materialize_from_reference(model, lambda: build_transformer(model_args(cfg), "cpu", seed), device)

@@ -8,12 +8,16 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from forge.checkpoint.errors import CheckpointError
 from forge.config import ConfigError, conf_dir, register_schemas
 from forge.config.help import field_help
+from forge.train.plan_report import take_plan_flag
 
 log = logging.getLogger("forge")
 
 EXIT_CONFIG_ERROR = 2
+PLAN_ONLY = False
+"""Set by `--plan`: print the parallel plan and the memory estimate instead of training."""
 
 
 def run(cfg: DictConfig) -> dict:
@@ -25,13 +29,29 @@ def run(cfg: DictConfig) -> dict:
 
 def _task(cfg: DictConfig) -> None:
     try:
-        run(cfg)
+        if PLAN_ONLY:
+            from forge.train.plan_report import print_plan
+
+            print_plan(cfg)
+            return
+        summary = run(cfg)
     except ConfigError as err:
         print(f"forge-train: invalid config: {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    except CheckpointError as err:
+        print(f"forge-train: {err}", file=sys.stderr)
+        sys.exit(1)
+    if summary.get("preempted"):
+        from forge.launch import requeue_via_submitit
+        from forge.resilience import EXIT_PREEMPTED
+
+        requeue_via_submitit()  # under submitit: requeue the job (rank 0 does not return)
+        sys.exit(EXIT_PREEMPTED)
 
 
 def main() -> None:
+    global PLAN_ONLY
+    PLAN_ONLY = take_plan_flag(sys.argv)
     register_schemas()
     if not OmegaConf.has_resolver("forge_field_help"):
         OmegaConf.register_new_resolver("forge_field_help", field_help)

@@ -1,7 +1,6 @@
 """The training loop: data, forward/backward/step, eval, metrics."""
 
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -12,9 +11,20 @@ from torch import nn
 
 from forge.checkpoint import Checkpointer, RunState
 from forge.config import validate
-from forge.data.loader import TokenWindows, eval_batches
-from forge.metrics import MetricsLogger
+from forge.data.loader import TokenWindows, batch_to_device, eval_batches
 from forge.metrics.logger import format_duration
+from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter
+from forge.model.moe import moe_metrics, router_losses, update_router_biases
+from forge.model.transformer import build_transformer
+from forge.parallel import dist
+from forge.parallel.expert import sum_over_ranks
+from forge.parallel.grads import clip_grad_norm, set_gradient_sync
+from forge.parallel.mesh import build_mesh, dp_rank_and_size, mean_over_dp
+from forge.parallel.pipeline import Pipeline, build_pipeline
+from forge.parallel.plan import parallelize
+from forge.resilience import EXIT_PREEMPTED
+from forge.resilience.guard import RollbackRequested, StepGuard
+from forge.resilience.health import check_device
 from forge.train import build
 from forge.train.precision import autocast, resolve_dtype
 
@@ -32,13 +42,27 @@ def evaluate(model: nn.Module, batches, device: torch.device, dtype: str) -> flo
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), 0
-    for inputs, labels in batches:
+    for batch in batches:
+        inputs, labels, attn_mask = batch_to_device(batch, device)
         with autocast(device, dtype):
-            logits = model(inputs.to(device))
-        total += cross_entropy(logits, labels.to(device))
+            logits = model(inputs, attn_mask=attn_mask)
+        total += cross_entropy(logits, labels)
         count += 1
     model.train(was_training)
     return (total / max(count, 1)).item()
+
+
+class NullMetrics:
+    """The metrics of ranks other than 0: only rank 0 writes metrics.jsonl and log lines."""
+
+    def log_train(self, step: int, metrics: dict) -> None: ...
+
+    def log_eval(self, step: int, val_loss: float) -> None: ...
+
+    def close(self) -> None: ...
+
+    def tracker_ids(self) -> dict[str, str]:
+        return {}
 
 
 class Trainer:
@@ -54,20 +78,41 @@ class Trainer:
         torch.manual_seed(train.seed)
         self.device = build.resolve_device(train.device)
         self.dtype = resolve_dtype(train.dtype, self.device)
-        self.dp_rank, self.dp_size = 0, self.degrees.dp
+        check_device(self.device)
+        self.owns_process_group = dist.init_distributed(self.device, timeout_s=cfg.resilience.collective_timeout_s)
+        self.run_dir = Path(dist.shared_run_dir(str(self.run_dir)))
+        if not dist.is_main_process():
+            log.setLevel(logging.WARNING)
+        self.mesh = build_mesh(self.degrees, self.device.type)
+        self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
 
-        self.corpus = build.build_corpus(cfg)
+        with dist.local_rank_zero_first():
+            self.corpus = build.build_corpus(cfg)
         self.model = build.build_meta_model(cfg)
-        build.materialize(self.model, self.device, train.seed)
+        self.n_params = sum(p.numel() for p in self.model.parameters())  # the whole model, before any split
+        self.pipeline: Pipeline | None = None
+        if self.degrees.pp > 1:
+            self.pipeline = self.build_pipeline()
+            self.model = self.pipeline.model
+        else:
+            parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device)
+            build.materialize_parallel(cfg, self.model, self.device, train.seed)
         self.optimizer, self.scheduler = build.build_optimizer(cfg, self.model)
-        self.loader = build.build_loader(cfg, self.corpus.train_tokens, self.dp_rank, self.dp_size)
+        self.loader = build.build_loader(cfg, self.corpus, self.dp_rank, self.dp_size)
         self.val_windows = TokenWindows(self.corpus.val_tokens, train.seq_len)
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * self.dp_size)
         self.tokens_per_step = train.global_batch_size * train.seq_len
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, build.config_yaml(cfg))
         self.state = self.restore()
-        self.metrics = MetricsLogger(self.run_dir, train.steps, cfg.metrics.console, cfg.metrics.smoothing)
-        n_params = sum(p.numel() for p in self.model.parameters())
+        self.guard = StepGuard(cfg.resilience)
+        self.preempted = False
+        self.metrics = (
+            build_metrics_logger(cfg, self.run_dir, self.state.tracker_ids) if dist.is_main_process() else NullMetrics()
+        )
+        self.state.tracker_ids.update(self.metrics.tracker_ids())
+        self.meter = build_step_meter(cfg, self.model, self.device, self.dtype)
+        self.profiler = build_profiler(cfg, self.run_dir, self.device)
+        n_params = self.n_params
         log.info(
             "model %.2fM parameters | %d steps x %d tokens | grad accum %d | device %s | %s",
             n_params / 1e6,
@@ -77,7 +122,20 @@ class Trainer:
             self.device,
             self.dtype,
         )
-        self.n_params = n_params
+
+    def build_pipeline(self) -> Pipeline:
+        """This rank's pipeline stages, parallelized and initialised as the whole model would be in one process."""
+        cfg = self.cfg
+        return build_pipeline(
+            self.model,
+            self.mesh,
+            self.degrees,
+            cfg.parallel,
+            self.device,
+            loss_fn=cross_entropy,
+            parallelize=lambda part: parallelize(part, self.mesh, self.degrees, cfg.parallel, self.device),
+            build_reference=lambda: build_transformer(build.model_args(cfg), "cpu", cfg.train.seed),
+        )
 
     def restore(self) -> RunState:
         """Resume per checkpoint.resume, or warm-start per checkpoint.load_weights, or start fresh."""
@@ -96,62 +154,141 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) as tensors."""
         train = self.cfg.train
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(self.grad_accum):
-            inputs, labels = self.loader.next_batch()
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+        for micro in range(self.grad_accum):
+            set_gradient_sync(self.model, micro == self.grad_accum - 1)
+            with self.meter.waiting_for_data():
+                batch = self.loader.next_batch()
+            inputs, labels, attn_mask = batch_to_device(batch, self.device)
+            if self.pipeline is not None:
+                if attn_mask is not None:
+                    raise NotImplementedError("parallel.pp > 1 with data.document_masking=true is not supported")
+                with autocast(self.device, self.dtype):
+                    loss_sum += self.pipeline.step(inputs, labels)  # schedules average over their microbatches
+                continue
             with autocast(self.device, self.dtype):
-                logits = self.model(inputs)
-            loss = cross_entropy(logits, labels)
-            (loss / self.grad_accum).backward()
+                logits = self.model(inputs, attn_mask=attn_mask)
+            loss = self.guard.inject(self.state.step + 1, cross_entropy(logits, labels))
+            ((loss + router_losses(self.model)) / self.grad_accum).backward()  # MoE aux + z losses
             loss_sum += loss.detach()
-        max_norm = train.grad_clip if train.grad_clip > 0 else math.inf
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
+        pp_group = None
+        if self.pipeline is not None:
+            pp_group = self.pipeline.group
+            loss_sum = self.pipeline.from_last_stage(loss_sum)
+            self.pipeline.average_grads(self.grad_accum)
+        grad_norm = clip_grad_norm(self.model, train.grad_clip, pp_group)
+        if self.guard.step_is_finite(self.state.step + 1, loss_sum, grad_norm):
+            self.optimizer.step()
+            update_router_biases(self.model, sum_over_ranks)  # sigmoid routers: outside the gradient
         self.scheduler.step()
+        for group in self.optimizer.param_groups:  # data phases may scale the next step's lr (mixture annealing)
+            group["lr"] *= self.loader.lr_scale
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / self.grad_accum, grad_norm
+        return mean_over_dp(loss_sum / self.grad_accum, self.mesh), grad_norm
+
+    def skip_step(self) -> None:
+        """Consume a step's batches without training on them (rolled-back offending batches)."""
+        for _ in range(self.grad_accum):
+            self.loader.next_batch()
+        self.scheduler.step()
+
+    def roll_back(self, bad_step: int) -> None:
+        path = self.checkpointer.latest()
+        if path is None:
+            raise RuntimeError(f"step {bad_step} needs a rollback but no checkpoint has been written yet")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.loader)
 
     def evaluate(self) -> float:
         train = self.cfg.train
-        batches = eval_batches(self.val_windows, train.micro_batch_size, train.eval_batches, self.dp_rank, self.dp_size)
-        return evaluate(self.model, batches, self.device, self.dtype)
+        eos = build.document_eos(self.cfg, self.corpus)
+        batches = eval_batches(
+            self.val_windows, train.micro_batch_size, train.eval_batches, self.dp_rank, self.dp_size, eos
+        )
+        if self.pipeline is not None:
+            val_loss = self.evaluate_pipeline(batches)
+        else:
+            val_loss = torch.tensor(evaluate(self.model, batches, self.device, self.dtype), device=self.device)
+        return mean_over_dp(val_loss, self.mesh).item()
+
+    def evaluate_pipeline(self, batches) -> torch.Tensor:
+        """Mean loss over the batches through a forward-only pass of the schedule, on every pp rank."""
+        self.model.eval()
+        total, count = torch.zeros((), device=self.device), 0
+        for batch in batches:
+            inputs, labels, _ = batch_to_device(batch, self.device)
+            with autocast(self.device, self.dtype):
+                total += self.pipeline.eval_loss(inputs, labels)
+            count += 1
+        self.model.train()
+        return self.pipeline.from_last_stage(total / max(count, 1))
 
     def fit(self) -> dict:
+        """Train to train.steps (or until preempted); the watchdog and signal handlers end with the loop."""
+        try:
+            return self._fit()
+        finally:
+            self.guard.close()
+
+    def _fit(self) -> dict:
         train = self.cfg.train
         self.model.train()
         first_val = val_loss = self.evaluate()
         if self.state.step == 0:
             self.metrics.log_eval(self.state.step, first_val)
-        start = last_time = time.perf_counter()
-        last_tokens = self.state.tokens_seen
+        start = time.perf_counter()
+        self.meter.restart(self.state.step, self.state.tokens_seen)
         loss = torch.zeros(())
         while self.state.step < train.steps:
-            lr = self.scheduler.get_last_lr()[0]
-            loss, grad_norm = self.train_step()
+            lr = self.optimizer.param_groups[0]["lr"]  # includes a data phase's lr_scale
+            self.profiler.step_started(self.state.step + 1)
+            self.guard.step_started()
+            if self.state.step + 1 in self.guard.bad_steps:
+                self.skip_step()
+                self.state.step += 1
+                self.state.tokens_seen += self.tokens_per_step
+                continue
+            try:
+                loss, grad_norm = self.train_step()
+            except RollbackRequested as rollback:
+                self.roll_back(rollback.step)
+                continue
+            self.guard.step_finished()
             self.state.step += 1
             self.state.tokens_seen += self.tokens_per_step
             step = self.state.step
+            self.profiler.step_finished(step)
             if step % train.log_every == 0 or step == train.steps:
-                now = time.perf_counter()
-                elapsed, last_time = now - last_time, now
-                tokens, last_tokens = self.state.tokens_seen - last_tokens, self.state.tokens_seen
                 self.metrics.log_train(
                     step,
                     {
                         "loss": loss.item(),
                         "lr": lr,
                         "grad_norm": grad_norm.item(),
-                        "tokens_per_s": tokens / elapsed,
-                        "step_time": elapsed * self.tokens_per_step / max(tokens, 1),
+                        **self.meter.interval(step, self.state.tokens_seen),
                         "tokens_seen": self.state.tokens_seen,
+                        **self.loader.metrics(),
+                        **self.guard.metrics(),
+                        **moe_metrics(self.model),
                     },
                 )
             if (train.eval_every and step % train.eval_every == 0) or step == train.steps:
-                val_loss = self.evaluate()
+                with self.meter.paused():
+                    val_loss = self.evaluate()
                 self.metrics.log_eval(step, val_loss)
             self.checkpointer.poll()
-            if self.checkpointer.should_save(step, train.steps):
-                self.save_checkpoint()
+            preempted = self.guard.preemption.should_stop(self.device)
+            if preempted or self.checkpointer.should_save(step, train.steps):
+                with self.meter.paused():
+                    self.save_checkpoint()
+            if preempted:
+                log.warning(
+                    "preempted (%s): checkpoint at step %d written; exiting with code %d",
+                    self.guard.preemption.received or "a peer's signal",
+                    step,
+                    EXIT_PREEMPTED,
+                )
+                self.preempted = True
+                break
         self.checkpointer.wait()
         wall = time.perf_counter() - start
         self.metrics.close()
@@ -165,6 +302,7 @@ class Trainer:
             "tokens_per_s": self.state.tokens_seen / max(wall, 1e-9),
             "params": self.n_params,
             "run_dir": str(self.run_dir),
+            "preempted": self.preempted,
         }
         log.info(
             "done: %d steps, %s tokens in %s (%s tok/s) | train loss %.4f | val loss %.4f -> %.4f | run dir %s",
@@ -177,4 +315,6 @@ class Trainer:
             val_loss,
             self.run_dir,
         )
+        if self.owns_process_group:
+            dist.teardown()
         return summary

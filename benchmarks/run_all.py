@@ -1,0 +1,26 @@
+"""`make bench`: every benchmark, one after the other, each printing its own table."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BENCHMARKS = [
+    ["train/vs_transformers.py"],
+    ["train/vs_transformers.py", "--dim", "1024", "--layers", "4", "--seq", "512", "--batch", "4", "--heads", "16"],
+    ["data/bench_data.py"],
+    ["checkpoint/save_stall.py"],
+    ["moe/moe_vs_dense.py"],
+]
+
+
+def main() -> int:
+    failed = 0
+    for args in BENCHMARKS:
+        print(f"\n=== {' '.join(args)} ===", flush=True)
+        failed += subprocess.run([sys.executable, str(HERE / args[0]), *args[1:]]).returncode != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

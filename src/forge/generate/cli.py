@@ -1,0 +1,113 @@
+"""`forge-generate checkpoint=PATH prompt="..."`: text from a trained model, through the KV-cache engine.
+
+Options are `key=value` pairs (OmegaConf dotlist syntax, checked against GenerateConfig), e.g.
+    forge-generate checkpoint=outputs/run prompt='[ROMEO., JULIET.]' max_new_tokens=50 temperature=0.8 top_p=0.9
+    forge-generate checkpoint=outputs/run interactive=true      # one prompt per line on stdin
+"""
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from forge.checkpoint.errors import CheckpointError
+from forge.generate.engine import generate
+from forge.generate.load import load, tokenizer_of
+from forge.train.build import resolve_device
+
+
+@dataclass
+class GenerateConfig:
+    """forge-generate's options."""
+
+    checkpoint: str = MISSING
+    """A run directory, DCP checkpoint folder, consolidated torch/safetensors file or Hugging Face folder."""
+    prompt: Any = None
+    """One prompt, or a list of prompts generated as one batch."""
+    interactive: bool = False
+    """Read prompts from stdin, one per line, until end of input."""
+    max_new_tokens: int = 64
+    """Tokens generated per prompt at most (fewer when EOS comes first)."""
+    temperature: float = 0.0
+    """0 is greedy decoding; above 0 samples from softmax(logits / temperature)."""
+    top_k: int = 0
+    """Sample only among the k most likely tokens (0 = all)."""
+    top_p: float = 1.0
+    """Sample only within the smallest set of tokens holding this much probability (1 = all)."""
+    seed: int = 0
+    """Seed of sampling; the same seed gives the same text."""
+    stop_at_eos: bool = True
+    """Stop a sequence at the tokenizer's end-of-document token."""
+    tokenizer: Optional[str] = None
+    """Override the tokenizer (gpt2, a tokenizer.json or a folder); default: the one the run trained with."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    format: str = "text"
+    """text (prompt and completion) or jsonl (one {"prompt", "completion", "tokens"} object per prompt)."""
+
+
+def parse(argv: list[str], schema: type) -> Any:
+    """The schema's config with key=value overrides; exits with the message on a bad key or value."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(sys.modules[schema.__module__].__doc__)
+        sys.exit(0)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(argv))
+        OmegaConf.to_container(cfg, throw_on_missing=True)
+    except OmegaConfBaseException as err:
+        sys.exit(f"{sys.argv[0]}: {err}")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(sys.argv[1:] if argv is None else argv, GenerateConfig)
+    if cfg.format not in ("text", "jsonl"):
+        sys.exit(f"forge-generate: format={cfg.format!r} is not one of text, jsonl")
+    device = resolve_device(cfg.device)
+    try:
+        loaded = load(cfg.checkpoint, device)
+        tokenizer, eos_id = tokenizer_of(cfg.checkpoint, loaded.run_config, cfg.tokenizer)
+    except (CheckpointError, FileNotFoundError, ValueError) as err:
+        print(f"forge-generate: {err}", file=sys.stderr)
+        return 1
+
+    def run(prompts: list[str]) -> None:
+        ids = [tokenizer.encode(p).ids for p in prompts]
+        outs = generate(
+            loaded.model,
+            ids,
+            cfg.max_new_tokens,
+            cfg.temperature,
+            cfg.top_k,
+            cfg.top_p,
+            eos_id if cfg.stop_at_eos else None,
+            cfg.seed,
+        )
+        for prompt, out in zip(prompts, outs):
+            completion = tokenizer.decode(out)
+            if cfg.format == "jsonl":
+                print(json.dumps({"prompt": prompt, "completion": completion, "tokens": out}), flush=True)
+            else:
+                print(prompt + completion, end="\n\n", flush=True)
+
+    try:
+        if cfg.interactive:
+            for line in sys.stdin:
+                if line.strip():
+                    run([line.rstrip("\n")])
+            return 0
+        if cfg.prompt is None:
+            sys.exit("forge-generate: give prompt=TEXT, prompt='[A, B]' or interactive=true")
+        prompts = list(cfg.prompt) if OmegaConf.is_list(cfg.prompt) else [str(cfg.prompt)]
+        run([str(p) for p in prompts])
+    except ValueError as err:  # empty prompt, too long for max_seq_len
+        print(f"forge-generate: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""forge-plot RUN_DIR...: loss, learning rate and tokens/s of one run or a sweep, from metrics.jsonl, as a PNG.
+
+A directory without its own metrics.jsonl is searched for runs below it (a Hydra multirun folder is a sweep).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
+
+
+def find_runs(paths: list[Path]) -> list[Path]:
+    """Run directories (holding metrics.jsonl) at or below each path, in order."""
+    runs: list[Path] = []
+    for path in paths:
+        if (path / "metrics.jsonl").is_file():
+            runs.append(path)
+        else:
+            runs.extend(sorted(p.parent for p in path.rglob("metrics.jsonl")))
+    return runs
+
+
+def read_records(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def run_label(run: Path, runs: list[Path]) -> str:
+    """The run's overrides when Hydra saved them (a sweep's distinguishing keys), else its folder name."""
+    overrides = run / ".hydra" / "overrides.yaml"
+    if len(runs) > 1 and overrides.is_file():
+        items = [line.removeprefix("- ").strip() for line in overrides.read_text().splitlines() if line.strip()]
+        if items:
+            return " ".join(items)
+    return run.name
+
+
+def plot_runs(runs: list[Path], out: Path, width: float = 12.0, height: float = 3.6, dpi: int = 100) -> Path:
+    """Draws one panel per curve (loss with val_loss, lr, tokens/s), one line per run; returns `out`."""
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(width, height), dpi=dpi)
+    for run in runs:
+        records = read_records(run)
+        label = run_label(run, runs)
+        train = [r for r in records if "loss" in r]
+        evals = [r for r in records if "val_loss" in r]
+        for ax, (key, _) in zip(axes, PANELS):
+            points = [(r["step"], r[key]) for r in train if r.get(key) is not None]
+            if points:
+                (line,) = ax.plot(*zip(*points), label=label)
+                if key == "loss" and evals:
+                    steps, values = zip(*[(r["step"], r["val_loss"]) for r in evals])
+                    ax.plot(steps, values, "o--", color=line.get_color(), label=f"{label} (val)")
+    for ax, (_, title) in zip(axes, PANELS):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="forge-plot", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories or folders of runs (a sweep)")
+    parser.add_argument("-o", "--out", type=Path, help="PNG path (default: RUN_DIR/metrics.png, or ./forge-plot.png)")
+    parser.add_argument("--dpi", type=int, default=100, help="resolution (the figure is 12 x 3.6 inches)")
+    args = parser.parse_args(argv)
+    runs = find_runs(args.runs)
+    if not runs:
+        parser.error(f"no metrics.jsonl at or below {', '.join(map(str, args.runs))}")
+    out = args.out or (runs[0] / "metrics.png" if len(runs) == 1 else Path("forge-plot.png"))
+    plot_runs(runs, out, dpi=args.dpi)
+    print(f"{len(runs)} run(s) -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

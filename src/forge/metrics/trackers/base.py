@@ -1,0 +1,44 @@
+"""The tracker interface and the factory that builds the trackers named in metrics.trackers."""
+
+from pathlib import Path
+from typing import Any, Protocol
+
+TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")
+
+
+class Tracker(Protocol):
+    """One experiment tracker; `run_id` is what a checkpoint stores to continue the same run on resume."""
+
+    name: str
+    run_id: str | None
+
+    def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def build_trackers(cfg: Any, run_dir: Path, run_ids: dict[str, str], config: dict | None = None) -> list[Tracker]:
+    """The trackers of `cfg.trackers` (a MetricsConfig), resuming the runs in `run_ids` by tracker name."""
+    unknown = [name for name in cfg.trackers if name not in TRACKER_NAMES]
+    if unknown:
+        raise ValueError(f"metrics.trackers: unknown {unknown}; choose from {list(TRACKER_NAMES)}")
+    trackers: list[Tracker] = []
+    for name in cfg.trackers:
+        if name == "tensorboard":
+            from forge.metrics.trackers.tensorboard_tracker import TensorBoardTracker
+
+            trackers.append(TensorBoardTracker(run_dir / cfg.tensorboard_dir))
+        elif name == "wandb":
+            from forge.metrics.trackers.wandb_tracker import WandbTracker
+
+            trackers.append(WandbTracker(cfg, run_dir, run_ids.get("wandb"), config))
+        elif name == "mlflow":
+            from forge.metrics.trackers.mlflow_tracker import MlflowTracker
+
+            trackers.append(MlflowTracker(cfg, run_dir, run_ids.get("mlflow"), config))
+    return trackers
+
+
+def numeric(values: dict) -> dict[str, float]:
+    """The int/float entries of a record (trackers take scalars only)."""
+    return {k: float(v) for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}

@@ -1,0 +1,25 @@
+"""TensorBoard event files through torch's SummaryWriter."""
+
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+
+from forge.metrics.trackers.base import numeric
+
+
+class TensorBoardTracker:
+    """Scalars under `log_dir` (run_dir/tensorboard by default); TensorBoard has no run id to resume."""
+
+    name = "tensorboard"
+    run_id: str | None = None
+
+    def __init__(self, log_dir: Path):
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for key, value in numeric(values).items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

@@ -1,0 +1,83 @@
+"""What the trainer does with the MoE layers of a model: add their losses, update router biases, read loads.
+
+The model stays pure: each MoE layer keeps what its last forward saw, and these functions walk the model.
+Per step the trainer calls `router_losses` after each micro-batch's forward (it also tallies that micro-batch's
+expert loads), `update_router_biases` after `optimizer.step()`, and `moe_metrics` when it logs.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from forge.model.moe.layer import MoE
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def router_losses(model: nn.Module) -> torch.Tensor:
+    """aux_loss_coef * load-balancing loss + z_loss_coef * z-loss, summed over the MoE layers' last forward.
+
+    Also adds the last forward's expert loads to the step's tally (read by the bias update and the metrics).
+    Returns a 0-d zero for a dense model.
+    """
+    total = torch.zeros(())
+    for _, layer in moe_layers(model):
+        if layer.last_aux_loss is None:
+            continue
+        args = layer.args
+        total = total.to(layer.last_aux_loss.device)
+        if args.aux_loss_coef:
+            total = total + args.aux_loss_coef * layer.last_aux_loss
+        if args.z_loss_coef:
+            total = total + args.z_loss_coef * layer.last_z_loss
+        tally = getattr(layer, "step_tally", None)
+        step = torch.stack([layer.last_routed, layer.last_kept]).float()
+        layer.step_tally = step if tally is None else tally + step
+        layer.step_losses = torch.stack([layer.last_aux_loss.detach(), layer.last_z_loss.detach()])
+    return total
+
+
+@torch.no_grad()
+def update_router_biases(model: nn.Module, all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Sigmoid routers: bias += rate * sign(mean_load - load), from this step's tallied loads (DeepSeek-V3).
+
+    `all_reduce` sums a tensor over the processes in place, so every replica of a router takes the same step.
+    Resets the tally (its last value stays readable as `last_step_tally` for the metrics).
+    """
+    for _, layer in moe_layers(model):
+        tally = getattr(layer, "step_tally", None)
+        if tally is None:
+            continue
+        if all_reduce is not None:
+            all_reduce(tally)
+        layer.last_step_tally, layer.step_tally = tally, None
+        if layer.args.router == "sigmoid_topk" and layer.args.bias_update_rate:
+            load = tally[0]
+            layer.router.expert_bias.add_(layer.args.bias_update_rate * torch.sign(load.mean() - load))
+
+
+def moe_metrics(model: nn.Module) -> dict[str, float]:
+    """Per MoE block: max/min expert load of the last completed step as multiples of the even share (1.0 = balanced)
+    and the fraction of assignments dropped by the capacity limit; the router losses of its last micro-batch,
+    averaged over the blocks."""
+    metrics: dict[str, float] = {}
+    aux, z = [], []
+    for name, layer in moe_layers(model):
+        tally = getattr(layer, "last_step_tally", None)
+        if tally is None:
+            continue
+        label = name.removeprefix("layers.").removesuffix(".feed_forward") or "0"
+        routed, kept = tally
+        share = routed / routed.mean().clamp(min=1e-9)
+        metrics[f"moe/{label}/load_max"] = share.max().item()
+        metrics[f"moe/{label}/load_min"] = share.min().item()
+        metrics[f"moe/{label}/dropped"] = (1 - kept.sum() / routed.sum().clamp(min=1)).item()
+        aux.append(layer.step_losses[0].item())
+        z.append(layer.step_losses[1].item())
+    if aux:
+        metrics["moe/aux_loss"] = sum(aux) / len(aux)
+        metrics["moe/z_loss"] = sum(z) / len(z)
+    return metrics

@@ -1,0 +1,71 @@
+"""Routed experts as stacked 3-D weights, so expert parallelism can keep a slice of the leading dimension.
+
+Layout matches `torch._grouped_mm(x, w)` (x @ w): w1 and w3 are (experts, dim, hidden), w2 is (experts, hidden, dim).
+Tokens arrive grouped by expert: rows [0, counts[0]) go to the first local expert, and so on.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def grouped_mm_available() -> bool:
+    """torch._grouped_mm exists in this build (CUDA sm90+, and CPU in recent releases)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+class GroupedExperts(nn.Module):
+    """`num_local` SwiGLU experts out of `num_experts`, starting at global id `first`."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, use_grouped_mm: bool = False):
+        super().__init__()
+        self.num_experts, self.first, self.num_local = num_experts, 0, num_experts
+        self.use_grouped_mm = use_grouped_mm and grouped_mm_available()
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+
+    def keep_slice(self, first: int, count: int) -> None:
+        """Keep only experts [first, first + count) (works on the meta device too); used by expert parallelism."""
+        for name in ("w1", "w2", "w3"):
+            full = getattr(self, name)
+            setattr(self, name, nn.Parameter(full.detach()[first : first + count].clone()))
+        self.first, self.num_local = first, count
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, dim) grouped by local expert, counts (num_local,) int64 -> (N, dim)."""
+        if self.use_grouped_mm:
+            return self.forward_grouped(x, counts)
+        return self.forward_loop(x, counts)
+
+    def forward_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One matmul chain per expert: the reference path (any dtype, any device)."""
+        outs = []
+        for e, chunk in enumerate(x.split(counts.tolist())):
+            h = F.silu(chunk @ self.w1[e]) * (chunk @ self.w3[e])
+            outs.append(h @ self.w2[e])
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+
+    def forward_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """All experts in three grouped GEMMs. bf16 needs dim and hidden to be multiples of 8 (16-byte strides)."""
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
+        else:
+            w1, w2, w3 = w1.to(x.dtype), w2.to(x.dtype), w3.to(x.dtype)
+        offs = counts.cumsum(0).to(torch.int32)
+        h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+        return torch._grouped_mm(h, w2, offs=offs)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Draw every global expert in order and keep the local ones, so a slice initialises like the whole."""
+        for name, s in (("w1", std), ("w3", std), ("w2", out_std)):
+            param = getattr(self, name)
+            scratch = torch.empty(param.shape[1:], device=param.device, dtype=param.dtype)
+            for e in range(self.num_experts):
+                nn.init.trunc_normal_(scratch, std=s, a=-3 * s, b=3 * s)
+                local = e - self.first
+                if 0 <= local < self.num_local:
+                    with torch.no_grad():
+                        param[local].copy_(scratch)

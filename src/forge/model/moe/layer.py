@@ -1,0 +1,64 @@
+"""The MoE layer that replaces a block's dense MLP: router, routed experts, optional shared experts."""
+
+import torch
+from torch import nn
+
+from forge.model.args import MoEArgs
+from forge.model.moe.dispatch import Dispatch, assign, local_dispatch
+from forge.model.moe.experts import GroupedExperts
+from forge.model.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
+from forge.model.moe.router import Router
+from forge.model.transformer import FeedForward
+
+AUX_LOSS_SCOPES = ("micro_batch", "sequence")
+
+
+class MoE(nn.Module):
+    """x -> sum over the k chosen experts of weight * expert(x) [+ shared experts(x)].
+
+    Each forward keeps its router losses (`last_aux_loss`, `last_z_loss`, with gradient) and its expert loads, so
+    the trainer reads them through `forge.model.moe.balance` without the block's signature changing.
+    `dispatch` moves grouped tokens to the experts and back; expert parallelism replaces it from outside.
+    """
+
+    def __init__(self, dim: int, hidden: int, args: MoEArgs):
+        super().__init__()
+        if args.aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise ValueError(f"moe.aux_loss_scope={args.aux_loss_scope!r} is not one of {AUX_LOSS_SCOPES}")
+        self.args = args
+        self.router = Router(dim, args.num_experts, args.top_k, args.router)
+        self.experts = GroupedExperts(dim, hidden, args.num_experts, args.grouped_mm)
+        # n shared SwiGLU experts of size `hidden` equal one SwiGLU of size n * hidden.
+        self.shared_experts = FeedForward(dim, hidden * args.num_shared_experts) if args.num_shared_experts else None
+        self.dispatch: Dispatch = local_dispatch
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_z_loss: torch.Tensor | None = None
+        self.last_routed: torch.Tensor | None = None
+        self.last_kept: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.router(tokens)
+        args = self.args
+        kept = assign(routing.experts, routing.weights, args.num_experts, args.capacity_factor)
+        expert_out = self.dispatch(tokens[kept.tokens], kept.counts, self.experts)
+        weighted = (expert_out.float() * kept.weights.unsqueeze(-1)).to(x.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, kept.tokens, weighted)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+
+        if args.aux_loss_scope == "sequence" and len(shape) == 3:
+            aux = sequence_balancing_loss(routing.probs, routing.experts, args.num_experts, shape[0])
+        else:
+            aux = load_balancing_loss(routing.probs, routing.experts, args.num_experts)
+        self.last_aux_loss = aux
+        self.last_z_loss = router_z_loss(routing.logits)
+        self.last_routed, self.last_kept = kept.routed.detach(), kept.counts.detach()
+        return out.view(shape)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.router.init_weights(std)
+        self.experts.init_weights(std, out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(std, out_std)

@@ -1,0 +1,64 @@
+"""Routers: pick top-k experts per token and the weights that combine their outputs.
+
+Both routers score tokens with one bias-free linear gate (dim -> num_experts). They differ in how scores become
+weights and how the load is balanced:
+
+* softmax_topk (Mixtral): softmax over all experts, take the top-k, renormalise the k weights to sum to 1. The load
+  is balanced by the Switch-style auxiliary loss. (With top_k=1 the weight is always 1, so the gate then learns
+  only from the auxiliary and z losses.)
+* sigmoid_topk (DeepSeek-V3): an independent sigmoid per expert. A per-expert bias is added to the scores for the
+  choice of experts only (never to the weights, never through the gradient); the trainer nudges it after each step
+  towards the under-loaded experts (`update_router_biases`). The k weights are the unbiased scores renormalised.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ROUTER_KINDS = ("softmax_topk", "sigmoid_topk")
+
+
+@dataclass
+class Routing:
+    """What a router decided for T tokens."""
+
+    experts: torch.Tensor
+    """(T, k) int64 expert ids, in decreasing order of selection score."""
+    weights: torch.Tensor
+    """(T, k) combine weights (renormalised over the k chosen experts)."""
+    probs: torch.Tensor
+    """(T, E) scores normalised over experts (each row sums to 1): the P of the load-balancing loss."""
+    logits: torch.Tensor
+    """(T, E) raw gate outputs, for the z-loss."""
+
+
+class Router(nn.Module):
+    """Linear gate plus top-k selection; `kind` is one of ROUTER_KINDS."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, kind: str):
+        super().__init__()
+        if kind not in ROUTER_KINDS:
+            raise ValueError(f"router kind {kind!r} is not one of {ROUTER_KINDS}")
+        self.kind, self.top_k = kind, top_k
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        # Selection-only bias of the sigmoid router: state (checkpointed), not a parameter (no gradient).
+        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=kind == "sigmoid_topk")
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x (T, dim) -> Routing. Scores are computed in fp32 whatever the autocast dtype."""
+        logits = self.gate(x).float()
+        if self.kind == "softmax_topk":
+            probs = logits.softmax(dim=-1)
+            top, experts = probs.topk(self.top_k, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            _, experts = (scores + self.expert_bias).topk(self.top_k, dim=-1)
+            top = scores.gather(-1, experts)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        weights = top / top.sum(dim=-1, keepdim=True)
+        return Routing(experts=experts, weights=weights, probs=probs, logits=logits)
+
+    def init_weights(self, std: float) -> None:
+        nn.init.trunc_normal_(self.gate.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.zeros_(self.expert_bias)

@@ -1,0 +1,73 @@
+"""Expert parallelism: each rank of an `ep` group keeps num_experts / ep experts of every MoE layer.
+
+The model code stays free of torch.distributed: `apply_expert_parallel` slices each MoE layer's stacked expert
+weights and replaces the layer's `dispatch` callable with `ExpertParallelDispatch`, which
+
+1. exchanges how many tokens every rank sends to every expert (all_to_all_single on the counts),
+2. sends the tokens, already grouped by global expert, to the ranks owning those experts (uneven all_to_all_single
+   with autograd; the token order on the wire is (source rank, local expert)),
+3. regroups them by local expert, runs the local experts, undoes the regrouping,
+4. sends the outputs back the same way; the layer then combines them with the routing weights as before.
+
+Router, attention and every other weight stay replicated over the group; their gradients are averaged by data
+parallelism as usual. Expert weights receive the gradient of every rank's tokens that visited them.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from forge.model.moe import moe_layers
+from forge.model.moe.dispatch import ExpertCompute
+
+
+class ExpertParallelDispatch:
+    """MoE `dispatch` that runs the experts on their owning ranks of `group`."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.num_local = num_experts // self.ep
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: ExpertCompute) -> torch.Tensor:
+        """x (N, dim) grouped by global expert, counts (num_experts,) -> expert outputs in the order of x."""
+        # recv[r, e]: tokens rank r sends to my local expert e.
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        recv = recv.view(self.ep, self.num_local)
+        send_splits = counts.view(self.ep, self.num_local).sum(dim=1).tolist()
+        recv_splits = recv.sum(dim=1).tolist()
+        received = funcol.all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
+        local_ids = torch.arange(self.num_local, device=x.device).repeat(self.ep)
+        by_expert = torch.argsort(local_ids.repeat_interleave(recv.flatten()), stable=True)
+        out = experts(received[by_expert], recv.sum(dim=0))
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
+        return funcol.all_to_all_single_autograd(out[back], send_splits, recv_splits, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, ep: dist.ProcessGroup | DeviceMesh) -> nn.Module:
+    """Shard every MoE layer's experts over `ep` (a process group or a 1-D mesh) and install the dispatch.
+
+    Works on the meta device (before `to_empty` + `init_weights`, which then initialises each rank's slice exactly
+    as the whole model would be initialised) and on a materialised model (each rank keeps its slice of the values).
+    Expert weights become (num_experts / ep, ...) plain tensors; sharding them further with FSDP is the plan's job.
+    """
+    group = ep.get_group() if isinstance(ep, DeviceMesh) else ep
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    for _, layer in moe_layers(model):
+        num_experts = layer.args.num_experts
+        if num_experts % size:
+            raise ValueError(f"model.moe.num_experts={num_experts} is not divisible by the ep degree {size}")
+        local = num_experts // size
+        layer.experts.keep_slice(rank * local, local)
+        layer.dispatch = ExpertParallelDispatch(group, num_experts)
+    return model
+
+
+def sum_over_ranks(tensor: torch.Tensor) -> None:
+    """In-place sum over all processes (no-op in a single process): for the routers' bias update."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)

@@ -1,0 +1,70 @@
+"""The device mesh of a run, built from the resolved parallel degrees."""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from forge.parallel.degrees import Degrees
+
+# Outer to inner: pipeline stages talk least, tensor-parallel ranks most (so tp stays inside a node).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def mesh_shape(degrees: Degrees) -> dict[str, int]:
+    """Named sizes of the mesh dimensions, size-1 dimensions left out.
+
+    dp_shard stays (at size 1) when dp_replicate > 1, so pure data parallelism runs as FSDP2 on a
+    (dp_replicate, dp_shard=1) mesh: replicated parameters and all-reduced gradients, like DDP.
+    """
+    sizes = {"pp": degrees.pp, "dp_replicate": degrees.dp_replicate, "dp_shard": degrees.dp_shard, "tp": degrees.tp}
+    keep = {name: size for name, size in sizes.items() if size > 1}
+    if degrees.dp_replicate > 1 and "dp_shard" not in keep:
+        keep["dp_shard"] = 1
+    return {name: keep[name] for name in MESH_DIMS if name in keep}
+
+
+def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh | None:
+    """The DeviceMesh over all ranks, or None for a single process."""
+    if degrees.world_size == 1:
+        return None
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs an initialised process group (forge.parallel.dist.init_distributed)")
+    shape = mesh_shape(degrees)
+    mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    dp_dims = dp_dim_names(mesh)
+    if len(dp_dims) > 1:
+        mesh[dp_dims]._flatten("dp")
+    return mesh
+
+
+def dp_dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The data-parallel dimensions present in the mesh, outer first."""
+    return tuple(name for name in ("dp_replicate", "dp_shard") if name in (mesh.mesh_dim_names or ()))
+
+
+def dp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The 1-D mesh over the data-parallel ranks of this rank (flattened when dp has two dimensions)."""
+    if mesh is None:
+        return None
+    dims = dp_dim_names(mesh)
+    if not dims:
+        return None
+    return mesh["dp"] if len(dims) > 1 else mesh[dims[0]]
+
+
+def dp_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel ranks; tensor-parallel peers share data."""
+    sub = dp_mesh(mesh)
+    if sub is None:
+        return 0, 1
+    return sub.get_local_rank(), sub.size()
+
+
+def mean_over_dp(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """Average a scalar over the data-parallel ranks (a no-op for one rank)."""
+    sub = dp_mesh(mesh)
+    if sub is None or sub.size() == 1:
+        return value
+    total = value.detach().clone()
+    dist.all_reduce(total, group=sub.get_group())  # gloo has no ReduceOp.AVG
+    return total / sub.size()

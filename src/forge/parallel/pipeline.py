@@ -1,0 +1,168 @@
+"""Pipeline parallelism of the dense decoder through torch.distributed.pipelining.
+
+The meta-device model is cut into stages of consecutive blocks. Each stage is a copy of the model with the blocks
+it does not own deleted and the embedding (all but the first stage), final norm and head (all but the last) set to
+None; parameter names therefore stay those of the whole model. Every pp rank holds one stage, or two for
+interleaved 1F1B (stages rank and rank + pp, "looped" placement). The rest of the plan (activation checkpointing,
+compile, FSDP over dp_shard) then applies to each stage module as it would to a whole model.
+
+Every pp rank reads the same batch: the first stage feeds the tokens, the last computes the loss against the
+labels. The schedules split the batch into `parallel.microbatches` chunks and average the chunks' gradients.
+"""
+
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from forge.model.transformer import Transformer
+from forge.parallel.degrees import Degrees
+from forge.parallel.init import plain_name
+
+log = logging.getLogger("forge")
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def stages_per_rank(schedule: str) -> int:
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[list[str]]:
+    """Block keys of each stage: equal runs of consecutive blocks (validate() checks divisibility)."""
+    per = n_layers // n_stages
+    return [[str(i) for i in range(s * per, (s + 1) * per)] for s in range(n_stages)]
+
+
+def build_stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
+    """A copy of `model` (meta device) that keeps only stage `stage` of `n_stages`."""
+    if model.args.tie_embeddings:
+        raise NotImplementedError("parallel.pp > 1 with model.tie_embeddings=true is not supported")
+    part = copy.deepcopy(model)
+    keep = set(stage_layers(len(model.layers), n_stages)[stage])
+    for key in list(part.layers.keys()):
+        if key not in keep:
+            del part.layers[key]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+@dataclass
+class Pipeline:
+    """This rank's share of the pipeline and the schedule that drives it."""
+
+    parts: list[nn.Module]
+    """Stage modules held by this rank, in stage order."""
+    schedule: object
+    group: dist.ProcessGroup
+    has_first: bool
+    has_last: bool
+    size: int
+    """Pipeline ranks (pp degree)."""
+    microbatches: int
+
+    @property
+    def model(self) -> nn.Module:
+        """What the optimizer, checkpointing and counting see: the stage, or a ModuleList of two stages."""
+        return self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
+
+    def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        extra = {"target": labels, "losses": losses} if self.has_last else {}
+        run(*args, **extra, **kwargs)
+        if not self.has_last:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch; the mean micro-batch loss on the last stage, 0 elsewhere."""
+        return self._run(self.schedule.step, inputs, labels, return_outputs=False)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only; the mean loss on the last stage, 0 elsewhere."""
+        return self._run(self.schedule.eval, inputs, labels)
+
+    @torch.no_grad()
+    def average_grads(self, steps: int) -> None:
+        """Divide the summed gradients of `steps` schedule steps of `microbatches` each by their count.
+
+        The schedules run with scale_grads=False: theirs divides every gradient at the end of each step, which would
+        also shrink what earlier steps of a gradient accumulation left there.
+        """
+        for part in self.parts:
+            for param in part.parameters():
+                if param.grad is not None:
+                    param.grad.div_(steps * self.microbatches)
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """The last stage's value of a scalar, on every pp rank."""
+        value = value.detach().clone()
+        dist.broadcast(value, group=self.group, group_src=self.size - 1)
+        return value
+
+
+def build_pipeline(
+    model: Transformer,
+    mesh: DeviceMesh,
+    degrees: Degrees,
+    parallel_cfg,
+    device: torch.device,
+    loss_fn: Callable,
+    parallelize: Callable,
+    build_reference: Callable[[], nn.Module],
+) -> Pipeline:
+    """Split `model` (meta device) into this rank's stages, apply `parallelize` to each, materialise them with the
+    weights of `build_reference()` (the whole model as one process initialises it), and build the schedule."""
+    if degrees.tp > 1:
+        raise NotImplementedError("parallel.pp > 1 with parallel.tp > 1 is not supported yet")
+    pp_mesh = mesh["pp"]
+    pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
+    per_rank = stages_per_rank(parallel_cfg.pp_schedule)
+    n_stages = pp * per_rank
+    stage_ids = [pp_rank + k * pp for k in range(per_rank)]
+    parts = [build_stage_module(model, s, n_stages) for s in stage_ids]
+    for s, part in zip(stage_ids, parts):
+        log.info("pipeline stage %d/%d on pp rank %d: blocks %s", s, n_stages, pp_rank, ",".join(part.layers.keys()))
+        parallelize(part)
+    materialize_stages(parts, build_reference, device)
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(p, s, n_stages, device, group=group) for s, p in zip(stage_ids, parts)]
+    microbatches = parallel_cfg.microbatches or pp
+    cls = SCHEDULES[parallel_cfg.pp_schedule]
+    schedule = cls(
+        stages if per_rank > 1 else stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+    )
+    log.info("pipeline: %d stages on %d ranks, %s schedule, %d microbatches", n_stages, pp, cls.__name__, microbatches)
+    return Pipeline(parts, schedule, group, 0 in stage_ids, n_stages - 1 in stage_ids, pp, microbatches)
+
+
+def materialize_stages(parts: list[nn.Module], build_reference: Callable[[], nn.Module], device) -> None:
+    """Allocate each stage and copy in its part of the reference model (plain or DTensor parameters alike).
+
+    Costs one full copy of the model in host memory while it runs, as forge.parallel.init does for sharded models.
+    """
+    reference = build_reference()
+    full = reference.state_dict()
+    buffers = {plain_name(name): buf for name, buf in reference.named_buffers()}
+    for part in parts:
+        part.to_empty(device=device)
+        names = {plain_name(name) for name in part.state_dict()}
+        set_model_state_dict(
+            part, {k: v for k, v in full.items() if k in names}, options=StateDictOptions(full_state_dict=True)
+        )
+        with torch.no_grad():
+            for name, buf in part.named_buffers():
+                buf.copy_(buffers[plain_name(name)].to(buf.device))

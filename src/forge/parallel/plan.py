@@ -1,0 +1,127 @@
+"""The parallel plan: one function applies every transform to the meta-device model, in this order.
+
+tensor parallel -> expert parallel -> float8 -> activation checkpointing -> per-block compile -> FSDP2.
+
+TP must come first because FSDP shards the DTensors TP produced (2-D parameters); checkpointing and compile
+wrap whole blocks, and FSDP wraps last so its hooks run outside the checkpointed and compiled regions.
+"""
+
+import functools
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from forge.parallel.degrees import Degrees
+from forge.parallel.tensor_parallel import apply_tensor_parallel
+
+log = logging.getLogger("forge")
+
+# Selective checkpointing keeps these ops' outputs and recomputes the cheap rest (norms, activations, rope).
+SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh | None, degrees: Degrees, parallel_cfg, device: torch.device):
+    """Apply the plan of `parallel_cfg` to `model` (on the meta device) in place; mesh is None for one process.
+
+    With parallel.pp > 1, `model` is one pipeline stage: forge.parallel.pipeline.build_pipeline splits the whole
+    model first and calls this on each stage.
+    """
+    if degrees.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    if degrees.ep > 1:
+        apply_expert_parallel(model, mesh, degrees)
+    if parallel_cfg.fp8:
+        apply_float8(model, degrees)
+    if parallel_cfg.activation_checkpoint != "none":
+        apply_activation_checkpointing(model, parallel_cfg.activation_checkpoint)
+    if parallel_cfg.compile:
+        apply_compile(model)
+    shard_mesh = fsdp_mesh(mesh)
+    if shard_mesh is not None:
+        apply_fsdp(model, shard_mesh)
+    return model
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, degrees: Degrees) -> None:
+    """Hook for the MoE layers: split the experts over `degrees.ep` ranks (not implemented yet)."""
+    raise NotImplementedError(f"parallel.ep={degrees.ep}: expert parallelism is not implemented yet")
+
+
+def apply_float8(model: nn.Module, degrees: Degrees) -> None:
+    """Swap the blocks' nn.Linear layers for torchao's Float8Linear (the output head stays in high precision)."""
+    if degrees.tp > 1:
+        raise NotImplementedError("parallel.fp8=true with parallel.tp > 1 needs float8 TP styles (not implemented)")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise RuntimeError("parallel.fp8=true needs torchao: pip install torchao") from err
+    convert_to_float8_training(
+        model,
+        config=Float8LinearConfig(enable_fsdp_float8_all_gather=degrees.dp_shard > 1),
+        module_filter_fn=lambda module, fqn: isinstance(module, nn.Linear) and fqn.startswith("layers."),
+    )
+    log.info("float8 training of the blocks' linear layers (torchao)")
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Wrap every block: `full` recomputes the whole block in backward, `selective` keeps matmul and attention
+    outputs and recomputes the rest."""
+    kwargs = {}
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    elif mode != "full":
+        raise ValueError(f"parallel.activation_checkpoint={mode!r} is not one of none, full, selective")
+    for key, block in model.layers.items():
+        model.layers[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+    log.info("activation checkpointing (%s) of %d blocks", mode, len(model.layers))
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block separately: blocks are identical, so one compiled graph serves all."""
+    for key, block in model.layers.items():
+        model.layers[key] = torch.compile(block)
+    log.info("torch.compile of %d blocks", len(model.layers))
+
+
+def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The mesh FSDP2 shards over: (dp_replicate, dp_shard) for HSDP and DDP, dp_shard for FSDP, else None."""
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if "dp_replicate" in names:
+        return mesh["dp_replicate", "dp_shard"]
+    if "dp_shard" in names:
+        return mesh["dp_shard"]
+    return None
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 per block, then the root (embedding, norm, head). On a 2-D mesh the first dimension replicates
+    (HSDP); with a shard dimension of size 1 this is plain data parallelism with all-reduced gradients."""
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if mesh.ndim == 1:
+        kind = "FSDP"
+    else:
+        kind = "HSDP" if mesh.size(1) > 1 else "DDP (FSDP2 on a replicate-only mesh)"
+    shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    log.info("%s over mesh %s: %d blocks and the root", kind, shape, len(model.layers))
+
+
+def count_local_parameters(model: nn.Module) -> int:
+    """Elements of the parameters this rank holds (its shards of DTensors)."""
+    return sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())

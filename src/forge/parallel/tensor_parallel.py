@@ -1,0 +1,62 @@
+"""The tensor-parallel plan of the Llama decoder: Megatron-style column/row splits with sequence parallel norms."""
+
+import logging
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from forge.model.transformer import FeedForward, Transformer
+
+log = logging.getLogger("forge")
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Split heads and MLP columns over `tp_mesh`; activations between blocks are sharded along the sequence.
+
+    Attention reshapes with -1 heads, so each rank runs attention on its own heads unchanged. The residual stream
+    stays a DTensor sharded along the sequence (so the model still sees the global sequence length, which sizes
+    its rotary tables); the logits come back replicated as a plain tensor (the loss needs no change).
+    """
+    if model.args.qk_norm:
+        raise NotImplementedError("parallel.tp > 1 with model.qk_norm=true is not supported yet")
+    root_plan = {}
+    if model.tok_embeddings is not None:
+        root_plan["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
+    if model.norm is not None:
+        root_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        root_plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, root_plan)
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            # (x, cos, sin, attn_mask): only x is an activation to gather.
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "ffn_norm": SequenceParallel(),
+        }
+        if isinstance(block.feed_forward, FeedForward):
+            plan |= {
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            }
+        else:
+            raise NotImplementedError("tensor parallelism of MoE feed-forward layers is not implemented yet")
+        parallelize_module(block, tp_mesh, plan)
+    log.info("tensor parallel over %d ranks: embedding, %d blocks, norm, output", tp_mesh.size(), len(model.layers))

@@ -1,0 +1,53 @@
+"""Stop cleanly when SLURM, submitit or a user sends SIGTERM / SIGUSR1 / SIGUSR2.
+
+The handler only sets a flag. At the end of each step every rank learns whether any rank was signalled (a MAX
+all-reduce), so all stop after the same step, checkpoint, and exit with EXIT_PREEMPTED, which a launcher can
+requeue on. A hard deadline ends the process anyway if the final save hangs.
+"""
+
+import logging
+import os
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("forge")
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" — requeue me
+
+
+class PreemptionHandler:
+    def __init__(self, signals: list[str], deadline_s: float):
+        self.deadline_s = deadline_s
+        self.received: str | None = None
+        self._previous = {}
+        for name in signals:
+            signum = getattr(signal, name)
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            timer = threading.Timer(self.deadline_s, self._hard_exit)
+            timer.daemon = True
+            timer.start()
+
+    def _hard_exit(self) -> None:
+        log.error("preemption: the final checkpoint did not finish within %.0f s; exiting anyway", self.deadline_s)
+        logging.shutdown()
+        os._exit(EXIT_PREEMPTED)
+
+    def should_stop(self, device: torch.device) -> bool:
+        """True on every rank once any rank was signalled."""
+        flag = self.received is not None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            tensor = torch.tensor([1 if flag else 0], device=device)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            flag = bool(tensor.item())
+        return flag
+
+    def restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)

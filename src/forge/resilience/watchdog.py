@@ -1,0 +1,58 @@
+"""End a job whose step takes far longer than usual instead of letting it hang forever."""
+
+import logging
+import os
+import statistics
+import threading
+import time
+
+log = logging.getLogger("forge")
+
+EXIT_HUNG = 76
+
+
+class StepWatchdog:
+    """A daemon thread: if the current step runs longer than max(factor x median step, min_s), log and exit."""
+
+    def __init__(self, factor: float, min_s: float, poll_s: float = 1.0):
+        self.factor = factor
+        self.min_s = min_s
+        self.poll_s = poll_s
+        self.durations: list[float] = []
+        self._started: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="forge-watchdog")
+        self._thread.start()
+
+    def step_started(self) -> None:
+        self._started = time.monotonic()
+
+    def step_finished(self) -> None:
+        if self._started is not None:
+            self.durations.append(time.monotonic() - self._started)
+            self.durations = self.durations[-100:]
+        self._started = None
+
+    def limit(self) -> float:
+        median = statistics.median(self.durations) if self.durations else 0.0
+        return max(self.factor * median, self.min_s)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            started = self._started
+            if started is None or len(self.durations) < 3:
+                continue
+            elapsed = time.monotonic() - started
+            if elapsed > self.limit():
+                log.error(
+                    "watchdog: step has run %.1f s, over %.1f s (%.0fx the median step); a rank is stalled or a "
+                    "peer is dead — ending the job",
+                    elapsed,
+                    self.limit(),
+                    self.factor,
+                )
+                logging.shutdown()
+                os._exit(EXIT_HUNG)
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,210 @@
+"""`forge-train --plan ...`: what a run would do to the model, computed without allocating any real tensor.
+
+The model is built on the meta device and the plan runs for rank 0 of a fake process group of
+`parallel.world_size` ranks (torch's "fake" backend: collectives are no-ops), so an 8B model on 32 ranks is
+planned on a laptop in seconds.
+
+Peak memory per rank (bytes), with P the parameters this rank holds (its shards and stages):
+
+    params 4P (fp32 master weights) + grads 4P + AdamW 8P (exp_avg, exp_avg_sq)
+    + FSDP gather buffers: 2 unsharded blocks (the one computing, the one prefetched) in the compute dtype
+    + activations: in-flight micro-batch tokens T = micro_batch_size x seq_len (x in-flight pipeline micro-batches)
+        no checkpointing:    T x [L_r x (7 d + 2 kv + 4 f) + head] x bytes / tp
+        full checkpointing:  T x [L_r x d + (7 d + 2 kv + 4 f) + head] x bytes / tp
+      where L_r are the rank's blocks, d the model width, kv the key/value width, f the MLP hidden width,
+      head = 2 d + 4 V on the last stage (final norm input and output, the logits, their fp32 log-softmax, and
+      at the start of backward the gradients of both),
+      bytes = 2 under bf16 autocast, 4 in fp32. Per block, autograd keeps: the two norms' inputs and outputs (4 d),
+      q, k, v and the attention output for SDPA (2 d + 2 kv), the re-laid-out attention output fed to wo (d), and
+      the SwiGLU's w1, w3, silu outputs and their product (4 f). Selective checkpointing is estimated as none.
+"""
+
+import contextlib
+import logging
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from forge.config import validate  # before forge.parallel.degrees: the config package imports it
+from forge.parallel.degrees import Degrees
+
+GIB = 2**30
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+    gather_buffers: float
+    activations: float
+    activations_checkpointed: float
+
+    def peak(self, checkpointed: bool) -> float:
+        acts = self.activations_checkpointed if checkpointed else self.activations
+        return self.params + self.grads + self.optimizer + self.gather_buffers + acts
+
+
+def block_activation_elems(args) -> int:
+    """Elements autograd keeps per token for one block (see the module docstring)."""
+    return 7 * args.dim + 2 * args.kv_heads * args.head_dim + 4 * args.hidden_dim
+
+
+def estimate_memory(
+    args,
+    degrees: Degrees,
+    local_params: int,
+    rank_blocks: int,
+    has_head: bool,
+    micro_batch_size: int,
+    seq_len: int,
+    in_flight: float,
+    act_bytes: int,
+) -> MemoryEstimate:
+    tokens = micro_batch_size * seq_len * in_flight
+    head = (2 * args.dim + 4 * args.vocab_size) if has_head else 0
+    block = block_activation_elems(args)
+    full = tokens * (rank_blocks * block + head) * act_bytes / degrees.tp
+    ckpt = tokens * (rank_blocks * args.dim + block + head) * act_bytes / degrees.tp
+    block_params = 4 * args.dim * args.dim + 3 * args.dim * args.hidden_dim  # upper bound (GQA has fewer)
+    gather = 2 * block_params / degrees.tp * act_bytes if degrees.dp_shard > 1 else 0
+    return MemoryEstimate(4 * local_params, 4 * local_params, 8 * local_params, gather, full, ckpt)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """Rank 0 of a `world_size` process group whose collectives do nothing (no memory, no peers)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def plan_report(cfg: DictConfig) -> str:
+    """The report printed by `forge-train --plan`."""
+    from forge.metrics.flops import count_flops_per_token
+    from forge.parallel.mesh import build_mesh, mesh_shape
+    from forge.parallel.pipeline import build_stage_module, stages_per_rank
+    from forge.parallel.plan import count_local_parameters, parallelize
+    from forge.train import build
+
+    world_size = cfg.parallel.world_size or 1
+    notes = _fit_global_batch(cfg, world_size)
+    degrees = validate(cfg, world_size)
+    train, parallel = cfg.train, cfg.parallel
+    model = build.build_meta_model(cfg)
+    args = model.args
+    total = sum(p.numel() for p in model.parameters())
+    lines = [f"plan for {world_size} ranks (as rank 0), model {total / 1e9:.3f}B parameters, nothing allocated", *notes]
+    collect = _Collect()
+    forge_log = logging.getLogger("forge")
+    level = forge_log.level
+    forge_log.addHandler(collect)
+    forge_log.setLevel(logging.INFO)
+    group = fake_process_group(world_size) if world_size > 1 else contextlib.nullcontext()
+    try:
+        with group:
+            mesh = build_mesh(degrees, "cpu")
+            lines.append(f"mesh: {mesh_shape(degrees) or 'none (one process)'}")
+            parts = [model]
+            if degrees.pp > 1:
+                n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
+                parts = [build_stage_module(model, s, n_stages) for s in range(0, n_stages, degrees.pp)]
+                lines.append(
+                    f"pipeline split into {n_stages} stages; rank 0 holds stages {list(range(0, n_stages, degrees.pp))}"
+                )
+            for part in parts:
+                parallelize(part, mesh, degrees, parallel, torch.device("cpu"))
+            local = sum(count_local_parameters(p) for p in parts)
+            rank_blocks = sum(len(p.layers) for p in parts)
+            has_head = any(p.output is not None for p in parts)
+    finally:
+        forge_log.removeHandler(collect)
+        forge_log.setLevel(level)
+    lines.append("transforms, in order:")
+    lines += [f"  {i}. {line}" for i, line in enumerate(collect.lines, 1)] or ["  (none)"]
+    lines.append(
+        f"parameters: total {total:,} | rank 0 holds {local:,} "
+        f"({local / total:.4f} of the model, 1/{total / local:.1f})"
+    )
+
+    flops = count_flops_per_token(args, train.seq_len)
+    lines.append(
+        f"FLOPs per token (seq_len {train.seq_len}): forward {flops.forward / 1e9:.2f} GFLOP, "
+        f"training {flops.training / 1e9:.2f} GFLOP (3x forward); per rank per step "
+        f"{flops.training * train.global_batch_size * train.seq_len / world_size / 1e12:.2f} TFLOP"
+    )
+
+    dtype = "bf16" if train.dtype in ("auto", "bf16") else "fp32"
+    in_flight = 1.0  # fraction of a micro-batch whose activations are alive at once
+    if degrees.pp > 1:
+        # GPipe keeps every pipeline micro-batch; 1F1B's first stage at most pp of them.
+        micro = parallel.microbatches or degrees.pp
+        in_flight = (micro if parallel.pp_schedule == "gpipe" else min(micro, degrees.pp)) / micro
+    mem = estimate_memory(
+        args,
+        degrees,
+        local,
+        rank_blocks,
+        has_head,
+        train.micro_batch_size,
+        train.seq_len,
+        in_flight,
+        2 if dtype == "bf16" else 4,
+    )
+    checkpointed = parallel.activation_checkpoint == "full"
+    lines.append(
+        f"estimated peak memory per rank ({dtype} activations, micro_batch_size {train.micro_batch_size}): "
+        f"params {mem.params / GIB:.2f} + grads {mem.grads / GIB:.2f} + AdamW {mem.optimizer / GIB:.2f} "
+        f"+ FSDP gather {mem.gather_buffers / GIB:.2f} GiB; activations {mem.activations / GIB:.2f} GiB "
+        f"(full checkpointing: {mem.activations_checkpointed / GIB:.2f}); "
+        f"peak {mem.peak(False) / GIB:.2f} GiB without checkpointing, {mem.peak(True) / GIB:.2f} GiB with"
+        + (" (this config checkpoints)" if checkpointed else "")
+    )
+    lines.append("formula: see forge.train.plan_report (params 4P + grads 4P + AdamW 8P + gather + activations)")
+    return "\n".join(lines)
+
+
+def _fit_global_batch(cfg: DictConfig, world_size: int) -> list[str]:
+    """Raise train.global_batch_size to a multiple of micro_batch_size x dp ranks (the plan is about the layout;
+    a small default batch would otherwise refuse a large world size)."""
+    from forge.parallel.degrees import resolve_degrees
+
+    train = cfg.train
+    step = train.micro_batch_size * resolve_degrees(cfg.parallel, world_size).dp
+    if train.global_batch_size % step == 0:
+        return []
+    fitted = math.ceil(train.global_batch_size / step) * step
+    note = f"note: train.global_batch_size={train.global_batch_size} raised to {fitted} for this plan"
+    train.global_batch_size = fitted
+    return [note]
+
+
+def take_plan_flag(argv: list[str]) -> bool:
+    """Remove `--plan` from argv in place (Hydra must not see it); True when it was there."""
+    if "--plan" not in argv:
+        return False
+    argv[:] = [a for a in argv if a != "--plan"]
+    return True
+
+
+def print_plan(cfg: DictConfig) -> None:
+    print(plan_report(cfg), file=sys.stdout, flush=True)

@@ -1,0 +1,56 @@
+"""The memory-mapped shard corpus: one flat stream over several shards, split, checked against meta.json."""
+
+import json
+
+import numpy as np
+import pytest
+
+from forge.data.loader import BatchLoader, TokenWindows
+from forge.data.memmap import MemmapCorpus, TokenSpan
+from forge.data.sources import DataError
+
+
+def test_token_span_slices_across_arrays_like_one_array():
+    arrays = [np.arange(0, 5), np.arange(5, 7), np.arange(7, 20)]
+    flat = np.arange(20)
+    span = TokenSpan(arrays)
+    for lo, hi in [(0, 20), (3, 9), (5, 7), (6, 6), (4, 5), (18, 25)]:
+        assert np.array_equal(span[lo:hi], flat[lo:hi])
+    inner = span.span(3, 15)
+    assert len(inner) == 12 and np.array_equal(inner[2:10], flat[5:13]) and inner[0] == 3
+    assert np.array_equal(np.concatenate(inner.pieces()), flat[3:15])
+
+
+def test_corpus_reads_every_shard_in_order_with_a_held_out_tail(prepared):
+    meta = json.loads((prepared / "meta.json").read_text())
+    whole = np.concatenate([np.load(prepared / s["file"]) for s in meta["shards"]])
+    corpus = MemmapCorpus(str(prepared), vocab_size=50257, val_fraction=0.1)
+    assert len(meta["shards"]) > 3
+    n_val = round(len(whole) * 0.1)
+    assert np.array_equal(corpus.val_tokens[: len(corpus.val_tokens)], whole[-n_val:])
+    assert len(corpus.train_tokens) == len(whole) - n_val
+    windows = TokenWindows(corpus.train_tokens, seq_len=64)
+    for index in (0, 108, 109, len(windows) - 1):  # samples that cross shard ends included
+        assert np.array_equal(windows[index], whole[index * 64 : index * 64 + 65])
+    assert corpus.eos_id == 50256 and corpus.tokenizer.decode(whole[:20].tolist()) in whole_text(corpus, whole)
+    a, b = (BatchLoader(windows, 4, seed=7) for _ in range(2))
+    assert all(np.array_equal(a.next_batch()[0], b.next_batch()[0]) for _ in range(5))
+
+
+def whole_text(corpus, whole) -> str:
+    return corpus.tokenizer.decode(whole[:200].tolist())
+
+
+def test_vocab_mismatch_missing_and_corrupt_shards_are_named(prepared):
+    with pytest.raises(DataError, match="data.vocab_size=8192"):
+        MemmapCorpus(str(prepared), vocab_size=8192)
+    shard = prepared / "shard_00002.npy"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])
+    with pytest.raises(DataError, match="shard_00002.npy is corrupt"):
+        MemmapCorpus(str(prepared), vocab_size=50257)
+    shard.unlink()
+    with pytest.raises(DataError, match="shard_00002.npy listed in meta.json is missing"):
+        MemmapCorpus(str(prepared), vocab_size=50257)
+    with pytest.raises(DataError, match="no meta.json"):
+        MemmapCorpus(str(prepared.parent), vocab_size=50257)

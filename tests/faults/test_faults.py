@@ -1,0 +1,127 @@
+"""Kill, preempt, poison, stall and starve real training processes; resumed curves match uninterrupted ones."""
+
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+
+from forge.checkpoint.layout import complete_checkpoints, latest_checkpoint
+from forge.resilience import EXIT_HUNG, EXIT_PREEMPTED
+from tests.faults.conftest import finish, kill, losses, start, train, wait_for_step
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run's loss curve."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    code, out = train(run_dir)
+    assert code == 0, out
+    curve = losses(run_dir)
+    assert sorted(curve) == list(range(1, 17))
+    return curve
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes_bitwise(tmp_path, reference):
+    proc = start(tmp_path)
+    wait_for_step(proc, tmp_path, 5)
+    kill(proc, signal.SIGTERM)
+    code, out = finish(proc)
+    assert code == EXIT_PREEMPTED, out
+    assert "preempted (SIGTERM)" in out
+    stopped_at = max(losses(tmp_path))
+    assert latest_checkpoint(tmp_path / "checkpoints").name == f"step-{stopped_at:08d}"
+    code, out = train(tmp_path)
+    assert code == 0, out
+    assert losses(tmp_path) == reference
+
+
+def test_random_sigkills_never_load_a_partial_checkpoint(tmp_path, reference):
+    """SIGKILL at random moments (inside steps and inside checkpoint writes), resume, repeat; same curve."""
+    kills = int(os.environ.get("FORGE_FAULT_KILLS", "3"))
+    rng = random.Random(1234)
+    survived = 0
+    for _ in range(kills):
+        proc = start(tmp_path)
+        done = max(losses(tmp_path), default=0)
+        if done >= 15:
+            break
+        wait_for_step(proc, tmp_path, rng.randint(done + 1, 15))
+        time.sleep(rng.uniform(0.0, 0.3))  # lands inside a step or inside a checkpoint write
+        kill(proc)
+        proc.wait()
+        survived += 1
+        for ckpt in complete_checkpoints(tmp_path / "checkpoints"):
+            assert (ckpt / ".metadata").is_file() and (ckpt / "extra-rank0.pt").is_file()
+    code, out = train(tmp_path)
+    assert code == 0, out
+    assert "resumed from" in out
+    print(f"survived {survived} random SIGKILLs with an identical loss curve")
+    assert losses(tmp_path) == reference
+
+
+@pytest.mark.parametrize("policy", ["skip", "rollback"])
+def test_nan_policies_skip_the_poisoned_step(tmp_path, reference, policy):
+    code, out = train(tmp_path, "resilience.inject_nan_at_step=7", f"resilience.nonfinite_policy={policy}")
+    assert code == 0, out
+    assert "non-finite loss or gradient norm at step 7" in out
+    curve = losses(tmp_path)
+    assert [curve[s] for s in range(1, 7)] == [reference[s] for s in range(1, 7)]
+    assert all(curve[s] != reference[s] for s in range(8, 17))
+    return curve
+
+
+def test_rollback_curve_equals_skip_curve(tmp_path):
+    """Rolling back and skipping the poisoned batches leaves the same model as not stepping on them."""
+    _, _ = train(tmp_path / "skip", "resilience.inject_nan_at_step=7", "resilience.nonfinite_policy=skip")
+    _, out = train(tmp_path / "rollback", "resilience.inject_nan_at_step=7", "resilience.nonfinite_policy=rollback")
+    assert "rolling back" in out and "resumed from" in out
+    skip, rollback = losses(tmp_path / "skip"), losses(tmp_path / "rollback")
+    assert [skip[s] for s in range(8, 17)] == [rollback[s] for s in range(8, 17)]
+
+
+def test_nan_raise_policy_fails_loudly(tmp_path):
+    code, out = train(tmp_path, "resilience.inject_nan_at_step=3", "resilience.nonfinite_policy=raise")
+    assert code != 0
+    assert "NonFiniteError" in out and "step 3" in out
+
+
+def test_stalled_step_is_ended_by_the_watchdog(tmp_path):
+    code, out = train(
+        tmp_path, "resilience.inject_stall_at_step=6", "resilience.watchdog_factor=10", "resilience.watchdog_min_s=3"
+    )
+    assert code == EXIT_HUNG, out
+    assert "watchdog: step has run" in out
+
+
+def test_full_disk_keeps_the_previous_checkpoint(tmp_path, reference):
+    """A tmpfs too small for a second checkpoint: a clear error, and the first checkpoint stays loadable."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], check=True, capture_output=True)
+    except (subprocess.CalledProcessError, FileNotFoundError) as err:
+        pytest.skip(f"cannot mount a tmpfs here ({err}); the full-disk scenario needs root")
+    try:
+        code, out = train(tmp_path / "run", f"checkpoint.dir={mount}")
+        assert code != 0
+        assert "MB free on that disk" in out
+        first = latest_checkpoint(mount)
+        assert first is not None and first.name == "step-00000002"
+        assert "forge-train: cannot write checkpoint" in out and "Traceback" not in out
+        code, out = train(
+            tmp_path / "going",
+            f"checkpoint.dir={mount}",
+            "checkpoint.on_save_error=continue",
+            "checkpoint.resume=none",
+            "train.steps=6",
+        )
+        assert code == 0 and "training continues" in out, out
+        assert latest_checkpoint(mount).name == "step-00000002"
+        code, out = train(tmp_path / "resumed", f"checkpoint.dir={mount}", "checkpoint.interval=0")
+        assert code == 0, out
+        assert "resumed from" in out
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

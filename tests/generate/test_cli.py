@@ -1,0 +1,142 @@
+"""forge-generate and forge-eval as subprocesses on a tiny trained run, against independent computations."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import forge
+from forge.config import compose
+from forge.generate.engine import generate
+from forge.train.trainer import Trainer
+
+TINY = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "train.seq_len=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=4",
+    "train.dtype=fp32",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=3",
+    "scheduler.warmup_steps=1",
+    "train.steps=5",
+    "checkpoint.interval=5",
+]
+
+
+def run(module: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=180, input=stdin
+    )
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("run")
+    summary = Trainer(compose(TINY), folder).fit()
+    return folder, summary
+
+
+def test_generate_greedy_batch_matches_the_engine_in_process(run_dir, corpus):
+    folder, _ = run_dir
+    prompts = ["ROMEO. O, she doth", "To be"]
+    result = run(
+        "forge.generate.cli",
+        f"checkpoint={folder}",
+        f"prompt=[{prompts[0]!r}, {prompts[1]!r}]",
+        "max_new_tokens=12",
+        "format=jsonl",
+        "stop_at_eos=false",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    model = forge.load_pretrained(folder)
+    ids = [corpus.tokenizer.encode(p).ids for p in prompts]
+    expected = generate(model, ids, 12)
+    assert [line["tokens"] for line in lines] == expected
+    assert [line["prompt"] for line in lines] == prompts
+    assert lines[0]["completion"] == corpus.tokenizer.decode(expected[0])
+
+
+def test_generate_seeded_sampling_is_reproducible_and_interactive_reads_stdin(run_dir):
+    folder, _ = run_dir
+    args = (f"checkpoint={folder}", "max_new_tokens=10", "temperature=1.0", "top_k=50", "top_p=0.95", "seed=3")
+    a = run("forge.generate.cli", *args, "prompt=KING.", "format=jsonl")
+    b = run("forge.generate.cli", *args, "interactive=true", "format=jsonl", stdin="KING.\n\nQUEEN.\n")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    first, *rest = [json.loads(line) for line in b.stdout.splitlines()]
+    assert json.loads(a.stdout) == first
+    assert [r["prompt"] for r in rest] == ["QUEEN."]
+    text = run("forge.generate.cli", *args, "prompt=KING.")
+    assert text.stdout.startswith("KING." + first["completion"])
+
+
+def test_generate_on_an_hf_export_with_a_given_tokenizer(run_dir, tmp_path, corpus):
+    folder, _ = run_dir
+    assert run("forge.checkpoint.cli", "--to", "hf", str(folder), str(tmp_path / "hf")).returncode == 0
+    tokenizer = corpus.folder / "tokenizer.json"
+    a = run(
+        "forge.generate.cli", f"checkpoint={tmp_path / 'hf'}", "prompt=KING.", "format=jsonl", f"tokenizer={tokenizer}"
+    )
+    b = run("forge.generate.cli", f"checkpoint={folder}", "prompt=KING.", "format=jsonl")
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["tokens"] == json.loads(b.stdout)["tokens"]
+
+
+def test_generate_bad_checkpoint_and_bad_key_fail_with_a_message(tmp_path):
+    result = run("forge.generate.cli", f"checkpoint={tmp_path / 'missing'}", "prompt=x")
+    assert result.returncode == 1 and "missing" in result.stderr
+    result = run("forge.generate.cli", f"checkpoint={tmp_path}", "prompt=x", "temprature=1")
+    assert result.returncode != 0 and "temprature" in result.stderr
+
+
+def test_eval_perplexity_is_exp_of_hand_computed_loss(run_dir, corpus):
+    folder, summary = run_dir
+    result = run("forge.generate.evaluate", f"checkpoint={folder}")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    model = forge.load_pretrained(folder)
+    tokens = torch.from_numpy(corpus.val_tokens[: 3 * 4 * 32 + 1].astype("int64"))
+    losses = []
+    with torch.no_grad():
+        for b in range(3):
+            rows = torch.stack([tokens[(b * 4 + r) * 32 : (b * 4 + r) * 32 + 33] for r in range(4)])
+            logits = model(rows[:, :-1])
+            losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)))
+    loss = torch.stack(losses).mean().item()
+    assert out["batches"] == 3 and out["tokens"] == 3 * 4 * 32
+    assert out["loss"] == pytest.approx(loss, rel=1e-5)
+    assert out["perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
+    # the trainer's final in-training eval is the same function over the same batches
+    assert out["loss"] == pytest.approx(summary["final_val_loss"], rel=1e-5)
+
+
+def test_eval_options_override_the_run_config(run_dir):
+    folder, _ = run_dir
+    result = run("forge.generate.evaluate", f"checkpoint={folder}", "batches=1", "seq_len=16", "micro_batch_size=2")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert (out["batches"], out["tokens"]) == (1, 32)
+
+
+def test_eval_captures_activations(run_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    folder, _ = run_dir
+    path = tmp_path / "acts.safetensors"
+    result = run(
+        "forge.generate.evaluate", f"checkpoint={folder}", "batches=2", "capture=[layers.*,norm]", f"capture_out={path}"
+    )
+    assert result.returncode == 0, result.stderr
+    acts = load_file(str(path))
+    assert set(acts) == {"layers.0", "layers.1", "norm"}
+    assert acts["layers.1"].shape == (8, 32, 64)

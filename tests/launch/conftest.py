@@ -1,0 +1,111 @@
+"""A real single-node SLURM for the launch tests, and helpers that drive `forge-train -m` sweeps against it.
+
+The session fixture runs launchers/local-slurm/start-slurm.sh (installs the Debian packages on first use, as root)
+and stops the daemons again afterwards, unless a cluster was already up before the session (then it is left alone).
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, forge_cmd
+from tests.faults.conftest import RUN
+
+SCRIPTS = ROOT / "launchers" / "local-slurm"
+START_TIMEOUT_S = 600
+
+
+def _cluster_up() -> bool:
+    if not shutil.which("scontrol") or not shutil.which("sinfo"):
+        return False
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    return ping.returncode == 0 and "UP" in ping.stdout and state.stdout.strip() in ("idle", "mixed", "allocated")
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[None]:
+    """A running slurmctld + slurmd (+ slurmdbd, so submitit can poll sacct) for the whole session."""
+    if _cluster_up():
+        yield
+        return
+    if os.geteuid() != 0:
+        pytest.skip("SLURM cannot be installed: start-slurm.sh needs root")
+    if not shutil.which("apt-get") and not shutil.which("slurmctld"):
+        pytest.skip("SLURM cannot be installed: no apt-get (Debian/Ubuntu) and no slurmctld on PATH")
+    start = subprocess.run(
+        ["bash", str(SCRIPTS / "start-slurm.sh")], capture_output=True, text=True, timeout=START_TIMEOUT_S
+    )
+    if start.returncode != 0:
+        output = (start.stdout + start.stderr)[-3000:]
+        if not shutil.which("slurmctld"):
+            pytest.skip(f"SLURM cannot be installed here (apt-get failed):\n{output}")
+        pytest.fail(f"start-slurm.sh failed:\n{output}")
+    try:
+        yield
+    finally:
+        subprocess.run(["bash", str(SCRIPTS / "stop-slurm.sh")], capture_output=True, text=True, timeout=120)
+
+
+def tiny(*overrides: str) -> list[str]:
+    """The fault tests' tiny model and schedule, plus overrides."""
+    return [*RUN, *overrides]
+
+
+def slurm_job_ids(sweep_dir: Path) -> list[str]:
+    """SLURM job ids of a sweep: submitit's folder per job (`.submitit/%j`; an array's tasks share one)."""
+    folder = sweep_dir / ".submitit"
+    return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+
+
+def start_sweep(sweep_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        forge_cmd("-m", *overrides, f"hydra.sweep.dir={sweep_dir}"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+
+
+def finish_sweep(proc: subprocess.Popen, sweep_dir: Path, timeout: float = 300) -> tuple[int, str]:
+    """Wait for the submitting process; on a deadline cancel the sweep's jobs (submitit's result() never times out)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for job in slurm_job_ids(sweep_dir):
+            subprocess.run(["scancel", job], check=False)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        pytest.fail(f"sweep did not finish within {timeout:.0f} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def sweep(sweep_dir: Path, *overrides: str, timeout: float = 300) -> tuple[int, str]:
+    return finish_sweep(start_sweep(sweep_dir, *overrides), sweep_dir, timeout)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss; a resumed run appends, and the last record of a step wins."""
+    out: dict[int, float] = {}
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "loss" in record:
+                out[record["step"]] = record["loss"]
+    return out
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if max(losses(run_dir), default=0) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{run_dir} never reached step {step}")

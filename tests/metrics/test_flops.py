@@ -1,0 +1,74 @@
+"""FLOPs per token against torch's FlopCounterMode on real forward + backward passes."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from forge.metrics.flops import count_flops_per_token, training_flops_per_token
+from forge.model.args import MoEArgs, TransformerArgs
+from forge.model.transformer import build_transformer
+
+BATCH, SEQ = 2, 32
+
+
+def tiny(**overrides) -> TransformerArgs:
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=128, max_seq_len=64)
+    return TransformerArgs(**{**base, **overrides})
+
+
+def counted_training_flops(args: TransformerArgs) -> int:
+    """FLOPs torch counts for one forward + backward (SDPA's math backend, so attention is visible as bmm)."""
+    model = build_transformer(args, seed=0)
+    tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(tokens).float().pow(2).mean().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        tiny(),
+        tiny(n_kv_heads=1, tie_embeddings=True),
+        tiny(n_kv_heads=None, qk_norm=True),
+    ],
+    ids=["gqa", "mqa_tied", "mha_qknorm"],
+)
+def test_dense_count_matches_flop_counter_exactly(args):
+    assert counted_training_flops(args) == count_flops_per_token(args, SEQ).training * BATCH * SEQ
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_topk"])
+def test_dropless_moe_count_is_exact_whatever_the_routing(router):
+    # Dropless: every token runs exactly top_k experts, so the total does not depend on where tokens go.
+    moe = MoEArgs(num_experts=4, top_k=2, num_shared_experts=1, expert_ffn_dim=48, every=2, router=router)
+    args = tiny(moe=moe)
+    assert counted_training_flops(args) == count_flops_per_token(args, SEQ).training * BATCH * SEQ
+
+
+def test_capacity_limited_moe_count_is_an_upper_bound_within_the_dropped_share():
+    moe = MoEArgs(num_experts=4, top_k=2, expert_ffn_dim=48, every=1, capacity_factor=1.0)
+    args = tiny(moe=moe)
+    expected = count_flops_per_token(args, SEQ).training * BATCH * SEQ
+    counted = counted_training_flops(args)
+    # At capacity factor 1.0, drops remove at most the routed-expert FLOPs of the overflow; 30% of them is generous.
+    routed = 2 * 3 * 2 * 64 * 48 * 3 * args.n_layers * BATCH * SEQ
+    assert expected - 0.3 * routed <= counted <= expected
+
+
+def test_without_attention_scores_training_flops_are_six_times_the_matmul_parameters():
+    args = tiny()
+    model = build_transformer(args)
+    matmul_params = sum(
+        p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in name
+    )
+    counts = count_flops_per_token(args, SEQ)
+    assert counts.training - 3 * counts.attention_scores == 6 * matmul_params
+    assert count_flops_per_token(args, 2 * SEQ).attention_scores == 2 * counts.attention_scores
+
+
+def test_training_flops_from_a_model_and_none_for_an_unknown_one():
+    args = tiny()
+    assert training_flops_per_token(build_transformer(args), SEQ) == count_flops_per_token(args, SEQ).training
+    assert training_flops_per_token(torch.nn.Linear(2, 2), SEQ) is None

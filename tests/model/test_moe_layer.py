@@ -1,0 +1,168 @@
+"""The MoE layer against independent per-token computations, grouped GEMM against the loop, bias balancing."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forge.model import MoEArgs, TransformerArgs, build_transformer
+from forge.model.moe import MoE, moe_metrics, router_losses, update_router_biases
+from forge.model.moe.experts import GroupedExperts, grouped_mm_available
+from forge.model.transformer import FeedForward
+
+DIM, HIDDEN = 16, 32
+
+
+def make_moe(seed: int = 0, **overrides) -> MoE:
+    args = MoEArgs(**{"num_experts": 4, "top_k": 2, **overrides})
+    torch.manual_seed(seed)
+    moe = MoE(DIM, HIDDEN, args)
+    moe.init_weights(0.2, 0.2)
+    return moe
+
+
+def swiglu(x, w1, w2, w3):
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
+def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: sum over the chosen experts of weight * expert(token), plus the shared experts."""
+    tokens = x.reshape(-1, DIM)
+    routing = moe.router(tokens)
+    ex = moe.experts
+    rows = []
+    for t in range(tokens.shape[0]):
+        row = torch.zeros(DIM)
+        for e, w in zip(routing.experts[t].tolist(), routing.weights[t]):
+            row = row + w * swiglu(tokens[t], ex.w1[e], ex.w2[e], ex.w3[e])
+        if moe.shared_experts is not None:
+            row = row + moe.shared_experts(tokens[t])
+        rows.append(row)
+    return torch.stack(rows).view(x.shape)
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_topk"])
+@pytest.mark.parametrize("shared", [0, 2])
+def test_matches_per_token_reference(router, shared):
+    moe = make_moe(router=router, num_shared_experts=shared)
+    x = torch.randn(2, 5, DIM)
+    torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-5, atol=1e-6)
+
+
+def test_one_expert_top1_equals_dense_swiglu():
+    moe = make_moe(num_experts=1, top_k=1)
+    dense = FeedForward(DIM, HIDDEN)
+    with torch.no_grad():
+        dense.w1.weight.copy_(moe.experts.w1[0].T)
+        dense.w3.weight.copy_(moe.experts.w3[0].T)
+        dense.w2.weight.copy_(moe.experts.w2[0].T)
+    x = torch.randn(3, 7, DIM)
+    torch.testing.assert_close(moe(x), dense(x), rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_drops_only_the_lowest_weights():
+    moe = make_moe(num_experts=4, top_k=1, capacity_factor=0.5)
+    x = torch.randn(1, 16, DIM)
+    out = moe(x).view(16, DIM)
+    routing = moe.router(x.view(16, DIM))
+    capacity = 2  # ceil(0.5 * 16 * 1 / 4)
+    for e in range(4):
+        mine = (routing.experts[:, 0] == e).nonzero().flatten()
+        ranked = mine[torch.argsort(routing.weights[mine, 0], descending=True, stable=True)]
+        for rank, t in enumerate(ranked.tolist()):
+            dropped = rank >= capacity
+            assert (out[t].abs().sum().item() == 0) == dropped
+    assert moe.last_kept.sum().item() == sum(min(c, capacity) for c in moe.last_routed.tolist())
+
+
+def test_dropless_sends_every_token():
+    moe = make_moe(num_experts=4, top_k=2, capacity_factor=0.0)
+    moe(torch.randn(4, 8, DIM))
+    assert moe.last_kept.tolist() == moe.last_routed.tolist()
+    assert moe.last_kept.sum().item() == 4 * 8 * 2
+
+
+def grouped_or_skip(dtype: torch.dtype) -> None:
+    if not grouped_mm_available():
+        pytest.skip(f"torch {torch.__version__} has no torch._grouped_mm")
+    try:
+        torch._grouped_mm(
+            torch.randn(8, 16, dtype=dtype), torch.randn(2, 16, 16, dtype=dtype), offs=torch.tensor([3, 8]).int()
+        )
+    except RuntimeError as err:
+        pytest.skip(f"torch._grouped_mm does not run in {dtype} on CPU: {err}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_equals_loop(dtype):
+    grouped_or_skip(dtype)
+    torch.manual_seed(0)
+    experts = GroupedExperts(DIM, HIDDEN, 4)
+    experts.init_weights(0.2, 0.2)
+    experts = experts.to(dtype)
+    counts = torch.tensor([5, 0, 7, 4])
+    x = torch.randn(16, DIM, dtype=dtype)
+    grad = torch.randn(16, DIM, dtype=dtype)
+    results = []
+    for path in (experts.forward_loop, experts.forward_grouped):
+        xi = x.clone().requires_grad_()
+        path(xi, counts).backward(grad)
+        results.append((path(xi, counts).detach(), xi.grad, experts.w1.grad.clone(), experts.w2.grad.clone()))
+        experts.zero_grad()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for loop, grouped in zip(*results):
+        torch.testing.assert_close(grouped, loop, **tol)
+
+
+def test_bias_update_raises_underloaded_and_lowers_overloaded():
+    moe = make_moe(router="sigmoid_topk", bias_update_rate=0.1)
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[0] = 1.0  # expert 0 scores highest for positive inputs
+    x = torch.rand(2, 8, DIM)
+    moe(x)
+    router_losses(moe)
+    load = moe.last_routed.float()
+    update_router_biases(moe)
+    bias = moe.router.expert_bias
+    assert bias[0].item() == pytest.approx(-0.1)  # overloaded
+    for e in range(4):
+        expected = 0.1 * torch.sign(load.mean() - load[e]).item()
+        assert bias[e].item() == pytest.approx(expected)
+    metrics = moe_metrics(moe)
+    assert metrics["moe/0/load_max"] > 1.0
+    softmax = make_moe(router="softmax_topk")
+    softmax(x)
+    router_losses(softmax)
+    update_router_biases(softmax)
+    assert softmax.router.expert_bias.abs().sum().item() == 0  # the softmax router has no bias balancing
+
+
+def test_router_losses_weight_aux_and_z_by_their_coefs():
+    moe = make_moe(aux_loss_coef=0.5, z_loss_coef=0.25)
+    moe(torch.randn(2, 6, DIM))
+    expected = 0.5 * moe.last_aux_loss + 0.25 * moe.last_z_loss
+    torch.testing.assert_close(router_losses(moe), expected)
+
+
+def test_expert_slice_initialises_like_the_whole():
+    torch.manual_seed(3)
+    whole = GroupedExperts(DIM, HIDDEN, 4)
+    whole.init_weights(0.1, 0.05)
+    part = GroupedExperts(DIM, HIDDEN, 4)
+    part.keep_slice(2, 2)
+    torch.manual_seed(3)
+    part.init_weights(0.1, 0.05)
+    for name in ("w1", "w2", "w3"):
+        assert torch.equal(getattr(part, name), getattr(whole, name)[2:4])
+
+
+def test_meta_build_initialises_router_bias_and_trains_in_a_transformer():
+    moe = MoEArgs(num_experts=4, top_k=2, expert_ffn_dim=32, router="sigmoid_topk", num_shared_experts=1)
+    args = TransformerArgs(dim=DIM, n_layers=2, n_heads=2, vocab_size=64, ffn_dim=32, moe=moe)
+    model = build_transformer(args)
+    assert all(torch.equal(m.router.expert_bias, torch.zeros(4)) for m in model.modules() if isinstance(m, MoE))
+    logits = model(torch.randint(0, 64, (2, 8)))
+    loss = F.cross_entropy(logits.flatten(0, 1), torch.randint(0, 64, (16,))) + router_losses(model)
+    loss.backward()
+    assert model.layers["0"].feed_forward.router.gate.weight.grad.abs().sum() > 0
+    assert model.layers["1"].feed_forward.experts.w2.grad.abs().sum() > 0

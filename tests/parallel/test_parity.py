@@ -1,0 +1,103 @@
+"""Every data/tensor-parallel layout trains like one process: same initial weights, data, losses, grad norms.
+
+Each launch forks real gloo ranks running the real Trainer on several layouts in turn (one launch amortises
+process start-up); the reference is the same Trainer in one process with parallel=single.
+"""
+
+import pytest
+
+from tests.parallel.harness import launch
+from tests.parallel.scenarios import run_scenarios
+
+# Every layout evaluates the same 8 validation samples: eval_batches x micro_batch_size x dp ranks = 8.
+RTOL = 1e-4
+COMPILE_RTOL = 1e-3  # inductor fuses and reorders fp32 arithmetic
+
+pytestmark = pytest.mark.dist  # fp32; measured differences are ~1e-6 (summation order of the sharded reductions)
+
+REFERENCE = {"single": ["parallel=single", "train.micro_batch_size=8"]}
+TWO_RANKS = {
+    "ddp": ["parallel=ddp", "train.micro_batch_size=4"],
+    "fsdp": ["parallel=fsdp", "train.micro_batch_size=4"],
+    "fsdp_accum": ["parallel=fsdp", "train.micro_batch_size=2", "train.eval_batches=2"],
+    "tp2": ["parallel=tp2", "train.micro_batch_size=8"],
+    "tp2_accum": ["parallel=tp2", "train.micro_batch_size=4", "train.eval_batches=2"],
+    "fsdp_ac_full": ["parallel=fsdp", "train.micro_batch_size=4", "parallel.activation_checkpoint=full"],
+    "fsdp_ac_selective": ["parallel=fsdp", "train.micro_batch_size=4", "parallel.activation_checkpoint=selective"],
+}
+FOUR_RANKS = {
+    "hsdp": ["parallel=hsdp", "train.micro_batch_size=2"],
+    "tp2_fsdp": ["parallel=tp2_fsdp", "train.micro_batch_size=4"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("single"))
+    return launch(run_scenarios, 1, REFERENCE, root)[0]["single"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_curves(tmp_path_factory):
+    return launch(run_scenarios, 2, TWO_RANKS, str(tmp_path_factory.mktemp("two")))[0]
+
+
+@pytest.fixture(scope="module")
+def four_rank_curves(tmp_path_factory):
+    return launch(run_scenarios, 4, FOUR_RANKS, str(tmp_path_factory.mktemp("four")))[0]
+
+
+def assert_same_curves(got: dict, want: dict) -> None:
+    assert len(got["loss"]) == len(want["loss"]) == 4
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert got[key] == pytest.approx(want[key], rel=RTOL), key
+
+
+def test_reference_learns(reference):
+    assert reference["loss"][-1] < reference["loss"][0]
+    assert reference["val_loss"][-1] < reference["val_loss"][0]
+
+
+@pytest.mark.parametrize("layout", list(TWO_RANKS))
+def test_two_rank_layout_matches_one_process(layout, two_rank_curves, reference):
+    assert_same_curves(two_rank_curves[layout], reference)
+
+
+# str() of the DTensor placements of layers.0.attention.wq.weight: R = replicate, S(0) = shard rows,
+# _S(0, 2) = FSDP's strided shard of rows that TP already split.
+EXPECTED_WQ_PLACEMENTS = {
+    "ddp": ["R", "S(0)"],  # the shard dimension has size 1: a full copy on every rank
+    "fsdp": ["S(0)"],
+    "fsdp_accum": ["S(0)"],
+    "tp2": ["S(0)"],
+    "tp2_accum": ["S(0)"],
+    "fsdp_ac_full": ["S(0)"],
+    "fsdp_ac_selective": ["S(0)"],
+    "hsdp": ["R", "S(0)"],
+    "tp2_fsdp": ["_S(0, 2)", "S(0)"],
+}
+
+
+def test_the_plan_was_applied(two_rank_curves, four_rank_curves, reference):
+    runs = two_rank_curves | four_rank_curves
+    assert reference["wq_placements"] == [] and reference["local_params"] == reference["params"]
+    assert {name: run["wq_placements"] for name, run in runs.items()} == EXPECTED_WQ_PLACEMENTS
+    assert runs["ddp"]["local_params"] == reference["params"]
+    for name in ("fsdp", "tp2", "hsdp"):
+        assert runs[name]["local_params"] < 0.6 * reference["params"], name
+    assert runs["tp2_fsdp"]["local_params"] < 0.3 * reference["params"]
+    assert runs["fsdp_ac_full"]["block_type"] == runs["fsdp_ac_selective"]["block_type"] == "FSDPCheckpointWrapper"
+
+
+@pytest.mark.parametrize("layout", list(FOUR_RANKS))
+def test_four_rank_layout_matches_one_process(layout, four_rank_curves, reference):
+    assert_same_curves(four_rank_curves[layout], reference)
+
+
+@pytest.mark.slow
+def test_per_block_compile_with_fsdp_matches_one_process(tmp_path, reference):
+    scenario = {"fsdp_compile": ["parallel=fsdp", "train.micro_batch_size=4", "parallel.compile=true"]}
+    run = launch(run_scenarios, 2, scenario, str(tmp_path))[0]["fsdp_compile"]
+    assert run["block_type"] == "FSDPOptimizedModule"
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert run[key] == pytest.approx(reference[key], rel=COMPILE_RTOL), key

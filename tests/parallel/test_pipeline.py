@@ -1,0 +1,95 @@
+"""Pipeline-parallel layouts train like one process: same losses, grad norms and validation losses.
+
+Each launch forks real gloo ranks running the real Trainer on several pipeline layouts in turn; the reference is
+the same Trainer in one process with parallel=single (fp32).
+"""
+
+from pathlib import Path
+
+import pytest
+
+from forge.config import compose
+from forge.parallel.dist import is_main_process
+from forge.parallel.plan import count_local_parameters
+from forge.train.trainer import Trainer
+from tests.parallel.harness import launch
+from tests.parallel.scenarios import TINY, curves
+
+RTOL = 1e-4  # fp32; pipelining only changes how the batch is chunked (micro-batch means of the loss)
+
+pytestmark = pytest.mark.dist
+
+FOUR_LAYERS = ["model.n_layers=4"]  # interleaved 1F1B on 2 ranks needs 4 stages of one block
+REFERENCE = {
+    "single": ["parallel=single", "train.micro_batch_size=8"],
+    "single_4l": ["parallel=single", "train.micro_batch_size=8", *FOUR_LAYERS],
+}
+TWO_RANKS = {
+    "pp2_gpipe": ["parallel=pp2", "parallel.pp_schedule=gpipe", "train.micro_batch_size=8"],
+    "pp2_1f1b": ["parallel=pp2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=8"],
+    "pp2_1f1b_accum": ["parallel=pp2", "train.micro_batch_size=4", "parallel.microbatches=2", "train.eval_batches=2"],
+    "pp2_interleaved": [
+        "parallel=pp2",
+        "parallel.pp_schedule=interleaved_1f1b",
+        "train.micro_batch_size=8",
+        *FOUR_LAYERS,
+    ],
+}
+FOUR_RANKS = {
+    "pp2_fsdp": ["parallel=pp2_fsdp", "train.micro_batch_size=4", "parallel.microbatches=2"],
+}
+REFERENCE_OF = {"pp2_interleaved": "single_4l"}
+
+
+def run_pipeline_scenarios(scenarios: dict[str, list[str]], root: str) -> dict[str, dict]:
+    """Train each scenario on this rank; rank 0 returns its curves, every rank its stage's layout."""
+    out = {}
+    for name, overrides in scenarios.items():
+        trainer = Trainer(compose([*TINY, *overrides]), Path(root) / name)
+        layout = {
+            "blocks": sorted(k for k, _ in trainer.model.named_modules() if k.count(".") == 1 and "layers." in k),
+            "local_params": count_local_parameters(trainer.model),
+            "params": trainer.n_params,
+        }
+        trainer.fit()
+        out[name] = layout | (curves(trainer.run_dir) if is_main_process() else {})
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return launch(run_pipeline_scenarios, 1, REFERENCE, str(tmp_path_factory.mktemp("single")))[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return launch(run_pipeline_scenarios, 2, TWO_RANKS, str(tmp_path_factory.mktemp("pp2")))
+
+
+def assert_same_curves(got: dict, want: dict) -> None:
+    assert len(got["loss"]) == len(want["loss"]) == 4
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert got[key] == pytest.approx(want[key], rel=RTOL), key
+
+
+@pytest.mark.parametrize("layout", list(TWO_RANKS))
+def test_pp2_matches_one_process(layout, two_ranks, reference):
+    assert_same_curves(two_ranks[0][layout], reference[REFERENCE_OF.get(layout, "single")])
+
+
+def test_stages_hold_disjoint_blocks(two_ranks):
+    assert two_ranks[0]["pp2_1f1b"]["blocks"] == ["layers.0"]
+    assert two_ranks[1]["pp2_1f1b"]["blocks"] == ["layers.1"]
+    # interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 (ModuleList of two stage modules)
+    assert (
+        two_ranks[0]["pp2_interleaved"]["local_params"] + two_ranks[1]["pp2_interleaved"]["local_params"]
+        == (two_ranks[0]["pp2_interleaved"]["params"])
+    )
+    for run in ("pp2_gpipe", "pp2_1f1b"):
+        assert two_ranks[0][run]["local_params"] + two_ranks[1][run]["local_params"] == two_ranks[0][run]["params"]
+
+
+def test_pp2_fsdp_matches_one_process(tmp_path, reference):
+    runs = launch(run_pipeline_scenarios, 4, FOUR_RANKS, str(tmp_path))
+    assert_same_curves(runs[0]["pp2_fsdp"], reference["single"])
+    assert sum(r["pp2_fsdp"]["local_params"] for r in runs) == runs[0]["pp2_fsdp"]["params"]

@@ -1,0 +1,70 @@
+"""`forge-train --plan`: the layout of a large run on a fake process group, with nothing allocated."""
+
+import os
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from forge.config import compose
+from forge.train.plan_report import estimate_memory, plan_report, take_plan_flag
+
+FORGE_TRAIN = Path(sys.executable).parent / "forge-train"
+
+
+def test_take_plan_flag_strips_it_before_hydra():
+    argv = ["forge-train", "--plan", "model=llama3_8b"]
+    assert take_plan_flag(argv) and argv == ["forge-train", "model=llama3_8b"]
+    assert not take_plan_flag(argv)
+
+
+def test_plan_of_llama3_8b_on_32_ranks_is_quick_and_allocates_nothing(tmp_path):
+    proc = subprocess.run(
+        [str(FORGE_TRAIN), "--plan", "model=llama3_8b", "parallel=tp4_fsdp", "parallel.world_size=32"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    total, local = (
+        int(n.replace(",", "")) for n in re.search(r"total ([\d,]+) \| rank 0 holds ([\d,]+)", out).groups()
+    )
+    assert 7.5e9 < total < 8.5e9
+    assert local == pytest.approx(total / 32, rel=0.02)  # FSDP pads the last shards a little
+    assert "mesh: {'dp_shard': 8, 'tp': 4}" in out
+    assert "tensor parallel over 4 ranks" in out and "FSDP over mesh" in out
+    assert "FLOPs per token" in out and "estimated peak memory per rank" in out
+    # An 8B model in fp32 is 32 GB: a child peak under 1.5 GiB means only meta tensors were made.
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 1.5 * 2**30
+
+
+def test_memory_estimate_matches_measured_peak_of_a_cpu_step(tmp_path):
+    """Run the estimate's CPU case in a fresh process and compare with its measured peak RSS growth."""
+    script = Path(__file__).with_name("measure_memory.py")
+    # Large blocks from mmap, so that freed activations leave the RSS instead of glibc's heap.
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    measured, estimated = (float(x) for x in proc.stdout.split()[-2:])
+    assert estimated == pytest.approx(measured, rel=0.2), proc.stdout  # measured: estimate = 0.90 x RSS growth
+
+
+def test_report_runs_in_process_for_one_rank():
+    text = plan_report(compose(["model=llama_tiny", "parallel=single"]))
+    assert "mesh: none (one process)" in text and "(1.0000 of the model" in text
+
+
+def test_checkpointing_shrinks_the_activation_estimate():
+    from forge.parallel.degrees import Degrees
+    from forge.train.build import model_args
+
+    args = model_args(compose(["model=llama3_8b"]))
+    mem = estimate_memory(args, Degrees(1, 1, 1, 1, 1), 10**9, 32, True, 1, 8192, 1.0, 2)
+    assert mem.activations_checkpointed < 0.3 * mem.activations  # the 128k-vocab head stays
+    assert torch.tensor(mem.peak(True)) < mem.peak(False)
