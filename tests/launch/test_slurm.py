@@ -2,6 +2,7 @@
 the launch-shape check, and preemption -> requeue -> resume."""
 
 import subprocess
+import time
 
 import pytest
 
@@ -67,7 +68,13 @@ def test_preempted_job_is_requeued_and_resumes_to_the_same_final_loss(slurm, tmp
     assert "preempted (SIGUSR2)" in log and "requeueing the job" in log, log[-3000:]
     assert "resumed from" in log, log[-3000:]
     assert losses(run_dir) == reference
-    states = subprocess.run(["sacct", "-n", "-X", "-D", "-j", job, "-o", "State"], capture_output=True, text=True)
+    # slurmdbd records the end of the requeued job a moment after the sweep returns
+    deadline = time.monotonic() + 60
+    while True:
+        states = subprocess.run(["sacct", "-n", "-X", "-D", "-j", job, "-o", "State"], capture_output=True, text=True)
+        if states.stdout.split() != ["REQUEUED", "RUNNING"] or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert states.stdout.split() == ["REQUEUED", "COMPLETED"], states.stdout
 
 
