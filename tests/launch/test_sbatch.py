@@ -30,8 +30,13 @@ def run_sbatch(template: str, run_dir, *options: str, env: dict[str, str], timeo
             subprocess.run(["scancel", job])
             pytest.fail(f"sbatch job {job} did not finish in {timeout:.0f} s")
         time.sleep(0.5)
-    state = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State"], capture_output=True, text=True)
-    return state.stdout.strip()
+    # slurmdbd records the job's end a moment after it leaves the queue
+    settle = time.monotonic() + 60
+    while True:
+        state = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State"], capture_output=True, text=True)
+        if state.stdout.strip() not in ("RUNNING", "PENDING", "") or time.monotonic() > settle:
+            return state.stdout.strip()
+        time.sleep(0.5)
 
 
 def test_sbatch_one_task_per_process_and_torchrun_per_node_agree(slurm, tmp_path):
