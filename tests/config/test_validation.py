@@ -5,6 +5,14 @@ import pytest
 from forge.config import ConfigError, compose, validate
 
 CASES = [
+    (["data=vqa_embedded"], 1, ["needs a vision-language model", "vlm=joint_decoder"]),
+    (["vlm=mot"], 1, ["vlm is set but the data has no images"]),
+    (["vlm=moma", "data=vqa_embedded", "parallel=tp2"], 2, ["parallel.tp=2 is not supported with a VLM"]),
+    (["vlm=moma", "data=vqa_embedded", "parallel.compile=true"], 1, ["parallel.compile=true"]),
+    (["vlm=joint_decoder", "data=vqa_embedded", "vlm.connector=avgpool"], 1, ["vlm.connector_tokens >= 1"]),
+    (["vlm=joint_decoder", "data=vqa_embedded", "vlm.connector=conv"], 1, ["vlm.connector='conv'"]),
+    (["vlm=joint_decoder", "data=video_embedded", "data.min_frames=8"], 1, ["data.max_frames=6"]),
+    (["vlm=joint_decoder", "data=vqa_embedded", "data.on_bad_media=ignore"], 1, ["data.on_bad_media='ignore'"]),
     (["model.n_heads=5"], 1, ["model.dim=256", "model.n_heads=5"]),
     (["model.n_kv_heads=3"], 1, ["model.n_heads=8", "model.n_kv_heads=3"]),
     (["model.dim=264", "model.n_heads=8", "model.n_kv_heads=8"], 1, ["must be even for RoPE"]),

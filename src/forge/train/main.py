@@ -22,9 +22,11 @@ PLAN_ONLY = False
 
 def run(cfg: DictConfig) -> dict:
     from forge.train.trainer import Trainer
+    from forge.train.vlm_trainer import VLMTrainer
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    return Trainer(cfg, run_dir).fit()
+    trainer = VLMTrainer if cfg.get("vlm") is not None else Trainer
+    return trainer(cfg, run_dir).fit()
 
 
 def _task(cfg: DictConfig) -> None:

@@ -86,20 +86,9 @@ class Trainer:
         self.mesh = build_mesh(self.degrees, self.device.type)
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
 
-        with dist.local_rank_zero_first():
-            self.corpus = build.build_corpus(cfg)
-        self.model = build.build_meta_model(cfg)
-        self.n_params = sum(p.numel() for p in self.model.parameters())  # the whole model, before any split
-        self.pipeline: Pipeline | None = None
-        if self.degrees.pp > 1:
-            self.pipeline = self.build_pipeline()
-            self.model = self.pipeline.model
-        else:
-            parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device)
-            build.materialize_parallel(cfg, self.model, self.device, train.seed)
+        self.build_model_and_data()
         self.optimizer, self.scheduler = build.build_optimizer(cfg, self.model)
         self.loader = build.build_loader(cfg, self.corpus, self.dp_rank, self.dp_size)
-        self.val_windows = TokenWindows(self.corpus.val_tokens, train.seq_len)
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * self.dp_size)
         self.tokens_per_step = train.global_batch_size * train.seq_len
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, build.config_yaml(cfg))
@@ -122,6 +111,22 @@ class Trainer:
             self.device,
             self.dtype,
         )
+
+    def build_model_and_data(self) -> None:
+        """Corpus, model (parallelized and initialised) and validation data; a VLM trainer builds its own."""
+        cfg = self.cfg
+        with dist.local_rank_zero_first():
+            self.corpus = build.build_corpus(cfg)
+        self.model = build.build_meta_model(cfg)
+        self.n_params = sum(p.numel() for p in self.model.parameters())  # the whole model, before any split
+        self.pipeline: Pipeline | None = None
+        if self.degrees.pp > 1:
+            self.pipeline = self.build_pipeline()
+            self.model = self.pipeline.model
+        else:
+            parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device)
+            build.materialize_parallel(cfg, self.model, self.device, cfg.train.seed)
+        self.val_windows = TokenWindows(self.corpus.val_tokens, cfg.train.seq_len)
 
     def build_pipeline(self) -> Pipeline:
         """This rank's pipeline stages, parallelized and initialised as the whole model would be in one process."""
@@ -158,16 +163,14 @@ class Trainer:
             set_gradient_sync(self.model, micro == self.grad_accum - 1)
             with self.meter.waiting_for_data():
                 batch = self.loader.next_batch()
-            inputs, labels, attn_mask = batch_to_device(batch, self.device)
             if self.pipeline is not None:
+                inputs, labels, attn_mask = batch_to_device(batch, self.device)
                 if attn_mask is not None:
                     raise NotImplementedError("parallel.pp > 1 with data.document_masking=true is not supported")
                 with autocast(self.device, self.dtype):
                     loss_sum += self.pipeline.step(inputs, labels)  # schedules average over their microbatches
                 continue
-            with autocast(self.device, self.dtype):
-                logits = self.model(inputs, attn_mask=attn_mask)
-            loss = self.guard.inject(self.state.step + 1, cross_entropy(logits, labels))
+            loss = self.guard.inject(self.state.step + 1, self.batch_loss(batch))
             ((loss + router_losses(self.model)) / self.grad_accum).backward()  # MoE aux + z losses
             loss_sum += loss.detach()
         pp_group = None
@@ -184,6 +187,13 @@ class Trainer:
             group["lr"] *= self.loader.lr_scale
         self.optimizer.zero_grad(set_to_none=True)
         return mean_over_dp(loss_sum / self.grad_accum, self.mesh), grad_norm
+
+    def batch_loss(self, batch) -> torch.Tensor:
+        """The mean token loss of one micro-batch (with autograd)."""
+        inputs, labels, attn_mask = batch_to_device(batch, self.device)
+        with autocast(self.device, self.dtype):
+            logits = self.model(inputs, attn_mask=attn_mask)
+        return cross_entropy(logits, labels)
 
     def skip_step(self) -> None:
         """Consume a step's batches without training on them (rolled-back offending batches)."""

@@ -1,0 +1,153 @@
+"""The parts every vision-language strategy shares: vision tower, connector, text decoder, media masks, and the
+freeze schedule.
+
+A batch's media are frames: pixels (batch, frames, channels, height, width) with frame_mask (batch, frames), True
+for real frames (an image is one frame; padded video frames are False), and frame_times (batch, frames) in seconds.
+Each frame becomes `connector` tokens; tokens of padded frames are zeroed and never attended to.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from forge.model.args import TransformerArgs
+from forge.model.transformer import Transformer
+from forge.model.vlm.connector import build_connector, init_connector
+from forge.model.vlm.encoder import VisionTower, build_tiny_encoder, load_vision_tower
+
+
+def time_embedding(times: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding of frame times in seconds: (...,) -> (..., dim)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(1000.0) * torch.arange(half, device=times.device, dtype=torch.float32) / half)
+    angles = times.float()[..., None] * freqs * 10.0
+    emb = torch.cat([angles.sin(), angles.cos()], dim=-1)
+    return torch.nn.functional.pad(emb, (0, dim - 2 * half))
+
+
+def causal_key_mask(key_valid: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) valid keys -> (batch, 1, seq, seq) causal attention mask; every position sees itself, so a
+    padded position's row is never empty (its output is discarded)."""
+    seq = key_valid.shape[1]
+    idx = torch.arange(seq, device=key_valid.device)
+    causal = idx[None, :] <= idx[:, None]
+    return ((causal[None] & key_valid[:, None, :]) | torch.eye(seq, dtype=torch.bool, device=key_valid.device))[:, None]
+
+
+class VisionLanguageModel(nn.Module):
+    """Base of the strategies: subclasses define `forward(tokens, pixels, frame_mask, frame_times) -> logits` over
+    the text positions and may add parameters in `__init__` and `init_extra_weights`."""
+
+    def __init__(
+        self,
+        text: TransformerArgs,
+        encoder_path: str | None = None,
+        encoder_kind: str = "clip",
+        cache_dir: str = "~/.cache/forge",
+        connector: str = "mlp",
+        connector_tokens: int | None = None,
+        train_encoder_from_step: int | None = None,
+        train_decoder_from_step: int = 0,
+        time_embedding: bool = False,
+        **strategy_options,
+    ):
+        super().__init__()
+        if strategy_options:
+            raise TypeError(f"{type(self).__name__} takes no option(s) {', '.join(sorted(strategy_options))}")
+        if encoder_path is None:
+            from pathlib import Path
+
+            encoder_path = str(build_tiny_encoder(Path(cache_dir).expanduser() / "vlm" / f"{encoder_kind}-tiny"))
+        self.encoder_path = encoder_path
+        self.text_args = text
+        self.decoder = Transformer(text)
+        self.encoder = VisionTower(load_vision_tower(encoder_path))
+        self.connector = build_connector(connector, self.encoder.width, text.dim, connector_tokens)
+        self.use_time_embedding = time_embedding
+        self.train_encoder_from_step = train_encoder_from_step
+        self.train_decoder_from_step = train_decoder_from_step
+        # The freeze state travels in the checkpoint (checked on resume against the schedule).
+        self.register_buffer("encoder_trainable", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("decoder_trainable", torch.ones((), dtype=torch.bool))
+        self.set_step(0)
+
+    # -- initialisation and freezing --------------------------------------------------------------------------
+
+    def init_weights(self) -> None:
+        """Seeded init of everything but the (pretrained) vision tower."""
+        self.decoder.init_weights()
+        init_connector(self.connector)
+        self.init_extra_weights()
+
+    def init_extra_weights(self) -> None:
+        """Strategy-specific parameters (none here)."""
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """Modules to shard as FSDP units (their forward is called directly): blocks and the connector."""
+        return [*self.decoder.layers.values(), self.connector]
+
+    def decoder_parameters(self) -> list[nn.Parameter]:
+        """Parameters of the text model that the decoder freeze applies to (strategies may add theirs)."""
+        return list(self.decoder.parameters())
+
+    def schedule_at(self, step: int) -> tuple[bool, bool]:
+        """(encoder trainable, decoder trainable) for the optimizer step after `step` steps."""
+        enc = self.train_encoder_from_step is not None and step >= self.train_encoder_from_step
+        return enc, step >= self.train_decoder_from_step
+
+    def set_step(self, step: int) -> bool:
+        """Apply the freeze schedule for training step `step` + 1; True when something changed."""
+        enc, dec = self.schedule_at(step)
+        changed = bool(self.encoder_trainable) != enc or bool(self.decoder_trainable) != dec
+        for p in self.encoder.parameters():
+            p.requires_grad_(enc)
+        for p in self.decoder_parameters():
+            p.requires_grad_(dec)
+        self.encoder_trainable.fill_(enc)
+        self.decoder_trainable.fill_(dec)
+        self.encoder.train(self.training and enc)
+        return changed
+
+    def check_freeze_state(self, step: int) -> None:
+        """After a resume: the saved freeze state must be the schedule's at `step` (else the config changed)."""
+        expected = self.schedule_at(max(step - 1, 0)) if step else self.schedule_at(0)
+        saved = (bool(self.encoder_trainable), bool(self.decoder_trainable))
+        if saved != expected:
+            raise ValueError(
+                f"the checkpoint at step {step} has (encoder, decoder) trainable = {saved}, but this config's "
+                f"schedule (vlm.train_encoder_from_step={self.train_encoder_from_step}, "
+                f"vlm.train_decoder_from_step={self.train_decoder_from_step}) gives {expected}"
+            )
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.encoder.train(mode and bool(self.encoder_trainable))  # a frozen tower stays in eval mode
+        return self
+
+    # -- shared forward pieces --------------------------------------------------------------------------------
+
+    def encode_media(
+        self, pixels: torch.Tensor, frame_mask: torch.Tensor, frame_times: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Visual tokens (batch, frames * n, dim), zero on padded frames, and their validity (batch, frames * n)."""
+        batch, frames = pixels.shape[:2]
+        flat = pixels.flatten(0, 1)
+        if bool(self.encoder_trainable):
+            features = self.encoder(flat)
+        else:
+            with torch.no_grad():
+                features = self.encoder(flat)
+        tokens = self.connector(features)
+        per_frame = tokens.shape[1]
+        if self.use_time_embedding and frame_times is not None:
+            tokens = tokens + time_embedding(frame_times.flatten(), tokens.shape[-1])[:, None].to(tokens.dtype)
+        tokens = tokens.view(batch, frames * per_frame, -1)
+        valid = frame_mask.repeat_interleave(per_frame, dim=1)
+        return tokens * valid[..., None].to(tokens.dtype), valid
+
+    def rope(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decoder.rope_cos[:seq], self.decoder.rope_sin[:seq]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder.output(self.decoder.norm(h))

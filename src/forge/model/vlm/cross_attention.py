@@ -1,0 +1,88 @@
+"""Cross-attention (Flamingo / Llama-3.2-Vision style): the text stream alone runs through the decoder, and
+gated cross-attention blocks every k layers read the visual tokens. The gates start at zero, so at step 0 the
+model is exactly the text model."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forge.model.args import TransformerArgs
+from forge.model.transformer import FeedForward
+from forge.model.vlm.base import VisionLanguageModel
+
+
+class GatedCrossAttentionBlock(nn.Module):
+    """x + tanh(g_attn) * xattn(norm(x), visual), then x + tanh(g_ffn) * ffn(norm(x)); g_* start at 0."""
+
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.head_dim = args.head_dim
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.attn_gate = nn.Parameter(torch.zeros(1))
+        self.ffn_gate = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(self.norm(x)).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(visual).view(batch, -1, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(visual).view(batch, -1, self.n_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
+        x = x + torch.tanh(self.attn_gate) * self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return x + torch.tanh(self.ffn_gate) * self.feed_forward(self.ffn_norm(x))
+
+    def init_weights(self, std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv, self.wo):
+            nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
+        self.feed_forward.init_weights(std, std)
+        self.norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        nn.init.zeros_(self.attn_gate)
+        nn.init.zeros_(self.ffn_gate)
+
+
+class CrossAttentionVLM(VisionLanguageModel):
+    """Decoder blocks with a gated cross-attention block after every `cross_attention_every`-th one."""
+
+    def __init__(self, text: TransformerArgs, cross_attention_every: int = 2, **kwargs):
+        super().__init__(text, **kwargs)
+        if cross_attention_every < 1:
+            raise ValueError(f"vlm.cross_attention_every={cross_attention_every} must be >= 1")
+        self.cross_attention_every = cross_attention_every
+        self.cross_layers = nn.ModuleDict(
+            {
+                str(i): GatedCrossAttentionBlock(text)
+                for i in range(text.n_layers)
+                if (i + 1) % cross_attention_every == 0
+            }
+        )
+
+    def fsdp_units(self) -> list[nn.Module]:
+        return [*super().fsdp_units(), *self.cross_layers.values()]
+
+    def init_extra_weights(self) -> None:
+        for block in self.cross_layers.values():
+            block.init_weights(self.text_args.init_std)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        pixels: torch.Tensor,
+        frame_mask: torch.Tensor,
+        frame_times: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        visual, valid = self.encode_media(pixels, frame_mask, frame_times)
+        h = self.decoder.tok_embeddings(tokens)
+        visual = visual.to(h.dtype)
+        cos, sin = self.rope(h.shape[1])
+        for key, block in self.decoder.layers.items():
+            h = block(h, cos, sin)
+            if key in self.cross_layers:
+                h = self.cross_layers[key](h, visual, valid)
+        return self.head(h)

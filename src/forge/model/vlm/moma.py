@@ -1,0 +1,118 @@
+"""MoMa: modality-aware mixture of experts. Attention is shared; each token goes to its modality's expert group,
+and inside a group experts choose their tokens (expert-choice routing: each expert takes the top
+capacity_factor * tokens / experts tokens of a sequence by router score, weighted by that score).
+
+The text group's first expert is the decoder block's own FFN (so a text model upcycles into MoMa). Routing is per
+sequence, so a sample's output never depends on the other samples of its batch. As in the MoMa paper, expert
+choice looks at the whole sequence, so during training a text token's routing can depend on later tokens.
+Padded (masked) visual tokens are never preferred over real ones and get a zero weight.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from forge.model.args import TransformerArgs
+from forge.model.transformer import FeedForward, TransformerBlock
+from forge.model.vlm.base import VisionLanguageModel, causal_key_mask
+
+
+class ExpertChoiceGroup(nn.Module):
+    """Experts of one modality with expert-choice routing over the tokens of each sequence."""
+
+    def __init__(self, dim: int, hidden: int, n_new_experts: int, n_shared: int, capacity_factor: float):
+        super().__init__()
+        self.n_experts = n_new_experts + n_shared
+        self.capacity_factor = capacity_factor
+        self.router = nn.Linear(dim, self.n_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(dim, hidden) for _ in range(n_new_experts))
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor, shared: list[nn.Module]) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        experts = [*shared, *self.experts]
+        scores = torch.softmax(self.router(x).float(), dim=-1)  # (batch, seq, experts), in [0, 1]
+        capacity = min(seq, max(1, math.ceil(self.capacity_factor * seq / self.n_experts)))
+        gate, index = scores.masked_fill(~valid[..., None], -1.0).topk(capacity, dim=1)  # per expert: its tokens
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(experts):
+            chosen = index[:, :, e]
+            weight = gate[:, :, e].clamp_min(0) * valid.gather(1, chosen)
+            where = chosen[..., None].expand(-1, -1, dim)
+            out = out.scatter_add(1, where, expert(x.gather(1, where)) * weight[..., None].to(x.dtype))
+        return out
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.router.weight, std=std, a=-3 * std, b=3 * std)
+        for expert in self.experts:
+            expert.init_weights(std, out_std)
+
+
+class MoMaLayer(nn.Module):
+    """The two modality groups of one block."""
+
+    def __init__(self, args: TransformerArgs, text_experts: int, image_experts: int, capacity_factor: float):
+        super().__init__()
+        self.text = ExpertChoiceGroup(args.dim, args.hidden_dim, text_experts - 1, 1, capacity_factor)
+        self.image = ExpertChoiceGroup(args.dim, args.hidden_dim, image_experts, 0, capacity_factor)
+
+
+class MoMaVLM(VisionLanguageModel):
+    """Visual tokens then text through shared attention; FFNs replaced by per-modality expert-choice groups."""
+
+    def __init__(
+        self,
+        text: TransformerArgs,
+        text_experts: int = 2,
+        image_experts: int = 2,
+        capacity_factor: float = 1.0,
+        **kwargs,
+    ):
+        super().__init__(text, **kwargs)
+        if text_experts < 1 or image_experts < 1:
+            raise ValueError(f"vlm.text_experts={text_experts} and vlm.image_experts={image_experts} must be >= 1")
+        if capacity_factor <= 0:
+            raise ValueError(f"vlm.capacity_factor={capacity_factor} must be > 0")
+        self.moma_layers = nn.ModuleDict(
+            {str(i): MoMaLayer(text, text_experts, image_experts, capacity_factor) for i in range(text.n_layers)}
+        )
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """Attention, the shared FFN and both expert groups of every block (called directly, not via the block)."""
+        units: list[nn.Module] = [self.connector]
+        for key, block in self.decoder.layers.items():
+            layer = self.moma_layers[key]
+            units += [block.attention, block.feed_forward, layer.text, layer.image]
+        return units
+
+    def init_extra_weights(self) -> None:
+        args = self.text_args
+        out_std = args.init_std / math.sqrt(2 * args.n_layers) if args.depth_init else args.init_std
+        for layer in self.moma_layers.values():
+            layer.text.init_weights(args.init_std, out_std)
+            layer.image.init_weights(args.init_std, out_std)
+
+    def block(self, block: TransformerBlock, layer: MoMaLayer, h, n_visual, valid, cos, sin, mask) -> torch.Tensor:
+        h = h + block.attention(block.attention_norm(h), cos, sin, mask, layer_id=block.layer_id)
+        x = block.ffn_norm(h)
+        text_valid = torch.ones(x.shape[0], x.shape[1] - n_visual, dtype=torch.bool, device=x.device)
+        fv = layer.image(x[:, :n_visual], valid, [])
+        ft = layer.text(x[:, n_visual:], text_valid, [block.feed_forward])
+        return h + torch.cat([fv, ft], dim=1)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        pixels: torch.Tensor,
+        frame_mask: torch.Tensor,
+        frame_times: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        visual, valid = self.encode_media(pixels, frame_mask, frame_times)
+        text = self.decoder.tok_embeddings(tokens)
+        n_visual = visual.shape[1]
+        h = torch.cat([visual.to(text.dtype), text], dim=1)
+        mask = causal_key_mask(torch.cat([valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1))
+        cos, sin = self.rope(h.shape[1])
+        for key, block in self.decoder.layers.items():
+            h = self.block(block, self.moma_layers[key], h, n_visual, valid, cos, sin, mask)
+        return self.head(h[:, n_visual:])

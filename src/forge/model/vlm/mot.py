@@ -1,0 +1,83 @@
+"""Mixture-of-Transformers: every non-embedding parameter (norms, attention projections, FFN) is duplicated per
+modality; one global self-attention runs over the visual and text tokens together."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forge.model.args import TransformerArgs
+from forge.model.transformer import TransformerBlock, _rotate
+from forge.model.vlm.base import VisionLanguageModel, causal_key_mask
+
+
+def mot_block(
+    text: TransformerBlock,
+    image: TransformerBlock,
+    h: torch.Tensor,
+    n_visual: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """One layer: the first n_visual positions use `image`'s parameters, the rest `text`'s; attention is global."""
+    batch, seq, _ = h.shape
+    ta, ia = text.attention, image.attention
+    xv, xt = image.attention_norm(h[:, :n_visual]), text.attention_norm(h[:, n_visual:])
+
+    def project(img: nn.Module, txt: nn.Module) -> torch.Tensor:
+        return torch.cat([img(xv), txt(xt)], dim=1).view(batch, seq, -1, ta.head_dim)
+
+    q, k, v = project(ia.wq, ta.wq), project(ia.wk, ta.wk), project(ia.wv, ta.wv)
+    if ta.q_norm is not None:
+        q = torch.cat([ia.q_norm(q[:, :n_visual]), ta.q_norm(q[:, n_visual:])], dim=1)
+        k = torch.cat([ia.k_norm(k[:, :n_visual]), ta.k_norm(k[:, n_visual:])], dim=1)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    out = out.transpose(1, 2).reshape(batch, seq, -1)
+    h = h + torch.cat([ia.wo(out[:, :n_visual]), ta.wo(out[:, n_visual:])], dim=1)
+    fv = image.feed_forward(image.ffn_norm(h[:, :n_visual]))
+    ft = text.feed_forward(text.ffn_norm(h[:, n_visual:]))
+    return h + torch.cat([fv, ft], dim=1)
+
+
+class MoTVLM(VisionLanguageModel):
+    """The decoder's blocks serve the text tokens; `image_layers` (same shapes) serve the visual tokens."""
+
+    def __init__(self, text: TransformerArgs, **kwargs):
+        super().__init__(text, **kwargs)
+        self.image_layers = nn.ModuleDict({str(i): TransformerBlock(i, text) for i in range(text.n_layers)})
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The projections and FFNs of both modalities (mot_block calls them, not the blocks' forward)."""
+        units: list[nn.Module] = [self.connector]
+        for key, text in self.decoder.layers.items():
+            for block in (text, self.image_layers[key]):
+                attn = block.attention
+                units += [attn.wq, attn.wk, attn.wv, attn.wo, block.feed_forward]
+        return units
+
+    def init_extra_weights(self) -> None:
+        import math
+
+        args = self.text_args
+        out_std = args.init_std / math.sqrt(2 * args.n_layers) if args.depth_init else args.init_std
+        for block in self.image_layers.values():
+            block.init_weights(args.init_std, out_std)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        pixels: torch.Tensor,
+        frame_mask: torch.Tensor,
+        frame_times: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        visual, valid = self.encode_media(pixels, frame_mask, frame_times)
+        text = self.decoder.tok_embeddings(tokens)
+        n_visual = visual.shape[1]
+        h = torch.cat([visual.to(text.dtype), text], dim=1)
+        mask = causal_key_mask(torch.cat([valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1))
+        cos, sin = self.rope(h.shape[1])
+        for key, block in self.decoder.layers.items():
+            h = mot_block(block, self.image_layers[key], h, n_visual, cos, sin, mask)
+        return self.head(h[:, n_visual:])

@@ -1,0 +1,36 @@
+"""The parallel plan of a vision-language model: data parallelism with FSDP2 (no TP/PP/EP for VLMs yet).
+
+Each strategy names its FSDP units (`fsdp_units`): modules whose forward it calls, so each unshards when used.
+A vision tower frozen for the whole run is left out of FSDP (every rank holds it whole, nothing to reduce);
+one that the freeze schedule trains at some step is sharded like the rest.
+"""
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from forge.parallel.plan import apply_activation_checkpointing, fsdp_mesh
+
+log = logging.getLogger("forge")
+
+
+def parallelize_vlm(model: nn.Module, mesh: DeviceMesh | None, activation_checkpoint: str = "none") -> nn.Module:
+    if activation_checkpoint != "none":
+        apply_activation_checkpointing(model.decoder, activation_checkpoint)
+    shard_mesh = fsdp_mesh(mesh)
+    if shard_mesh is None:
+        return model
+    units = list(model.fsdp_units())
+    ignored = None
+    if model.train_encoder_from_step is None:
+        ignored = set(model.encoder.parameters())
+    else:
+        units.append(model.encoder)
+    for unit in units:
+        fully_shard(unit, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh, ignored_params=ignored)
+    frozen = "replicated (frozen)" if ignored else "sharded (trained by the schedule)"
+    log.info("FSDP over %d ranks: %d units and the root; vision tower %s", shard_mesh.size(), len(units), frozen)
+    return model

@@ -1,0 +1,51 @@
+"""Short VLM training runs of the real trainer (also run on each rank of a forked launch)."""
+
+import json
+from pathlib import Path
+
+from forge.config import compose
+from forge.train.vlm_trainer import VLMTrainer
+
+TINY = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "train.seq_len=12",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=8",
+    "train.dtype=fp32",
+    "train.threads=1",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "scheduler.warmup_steps=2",
+    "optimizer.lr=3e-3",
+    "metrics.console=quiet",
+    "data.train_records=400",
+    "data.val_records=16",
+]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def train(run_dir: str, *overrides: str) -> dict:
+    """Train on this rank; returns the summary plus the per-step losses (rank 0's log)."""
+    from torch.distributed.tensor import DTensor
+
+    trainer = VLMTrainer(compose(["data=vqa_embedded", *TINY, *overrides]), Path(run_dir))
+    sharded = {
+        "decoder": isinstance(trainer.model.decoder.layers["0"].attention.wq.weight, DTensor),
+        "encoder": any(isinstance(p, DTensor) for p in trainer.model.encoder.parameters()),
+    }
+    summary = trainer.fit() | {"sharded": sharded}
+    path = Path(run_dir) / "metrics.jsonl"
+    return summary | {"losses": losses(run_dir) if path.is_file() else {}}
