@@ -71,3 +71,15 @@ def test_eval_batches_are_fixed_and_disjoint_over_ranks(windows):
     r0 = torch.cat([x for x, _ in eval_batches(windows, 2, 3, dp_rank=0, dp_size=2)])
     r1 = torch.cat([x for x, _ in eval_batches(windows, 2, 3, dp_rank=1, dp_size=2)])
     assert not set(r0[:, 0].tolist()) & set(r1[:, 0].tolist())
+
+
+@pytest.mark.parametrize("micro_batch,dp_size", [(2, 1), (2, 2), (1, 4)])
+def test_every_layout_of_a_global_batch_sees_the_same_samples_across_epochs(micro_batch, dp_size):
+    windows = TokenWindows(np.arange(30 * 16 + 1, dtype=np.uint16), seq_len=16)  # 30 samples: 3 steps + 6 left over
+    whole = BatchLoader(windows, 8, seed=4, global_batch=8)
+    ranks = [BatchLoader(windows, micro_batch, 4, r, dp_size, global_batch=8) for r in range(dp_size)]
+    accumulation = 8 // (micro_batch * dp_size)
+    for _ in range(8):  # crosses two epoch ends
+        step = [rank.next_batch()[0] for _ in range(accumulation) for rank in ranks]
+        assert torch.equal(torch.cat(step), whole.next_batch()[0])
+    assert whole.epoch == ranks[0].epoch == 2

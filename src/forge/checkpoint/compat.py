@@ -16,8 +16,18 @@ def read_metadata(path: Path):
         raise CheckpointError(f"cannot read checkpoint metadata {path / '.metadata'}: {err}") from err
 
 
-def check_model_keys(path: Path, model_state: dict, prefix: str = "model.", exclude: tuple[str, ...] = ()) -> None:
-    """Raise CheckpointError naming the first missing, unexpected or mis-shaped key."""
+def check_model_keys(
+    path: Path,
+    model_state: dict,
+    prefix: str = "model.",
+    exclude: tuple[str, ...] = (),
+    whole_keys: set[str] | None = None,
+) -> None:
+    """Raise CheckpointError naming the first missing, unexpected or mis-shaped key.
+
+    `whole_keys`: every key of the whole model when `model_state` is only part of it (a pipeline stage); stored
+    keys outside it are unexpected, those of the other stages are not.
+    """
     stored = {
         key[len(prefix) :]: meta
         for key, meta in read_metadata(path).state_dict_metadata.items()
@@ -27,7 +37,8 @@ def check_model_keys(path: Path, model_state: dict, prefix: str = "model.", excl
     missing = sorted(set(wanted) - set(stored))
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks model key '{missing[0]}' ({len(missing)} missing in all)")
-    unexpected = sorted(k for k in set(stored) - set(model_state) if not k.startswith(exclude))
+    known = set(model_state) if whole_keys is None else whole_keys
+    unexpected = sorted(k for k in set(stored) - known if not k.startswith(exclude))
     if unexpected:
         raise CheckpointError(
             f"checkpoint {path} has model key '{unexpected[0]}' that this model does not "

@@ -3,6 +3,19 @@
 Model and optimizer go through `get_state_dict`/`set_state_dict`, so sharded and unsharded runs read each other's
 checkpoints. Everything else a resume needs (step, tokens seen, scheduler, data-loader position, RNG states,
 tracker run ids) is small per-rank state saved beside them with torch.save and read back with weights_only=True.
+
+Resuming in another parallel layout. DCP stores every tensor whole under the whole model's parameter names (a
+pipeline stage's too, see forge.checkpoint.stages) and reshards it to whatever the loading model holds; the loader
+position counts samples of one global order, and epochs end at global-batch boundaries. So a checkpoint resumes
+at any world size, one process included, and in any parallel layout (dp_replicate, dp_shard, tp, pp with any
+schedule, ep) and micro_batch_size. The restored model and optimizer equal the saved ones bit for bit; the later
+losses equal the uninterrupted run's up to the new layout's summation order. Tested (tests/checkpoint/
+test_reshard.py): FSDP over 4 ranks into FSDP over 2, TP 2 x FSDP 2, one process and interleaved 1F1B over pp 2
+(whose two stages per rank are also saved under the whole model's names); a 1F1B pp 2 checkpoint resumed in one
+process was checked by hand; DDP/HSDP and ep go through the same DCP path but are not tested here.
+Must not change: the model config, train.global_batch_size, train.seq_len, train.seed, the data, and the optimizer
+and scheduler kinds (DCP refuses mismatched keys or shapes; the loader refuses another seed). RNG states are per
+rank and are restored only at the same world size (nothing in training draws from them today: no dropout).
 """
 
 import logging
@@ -35,6 +48,7 @@ from forge.checkpoint.layout import (
     step_of,
 )
 from forge.checkpoint.rng import rng_state, set_rng_state
+from forge.checkpoint.stages import rename, whole_model_keys, whole_model_names
 
 log = logging.getLogger("forge")
 
@@ -119,6 +133,7 @@ class Checkpointer:
         }
         torch.save(extra, path / f"extra-rank{_rank()}.pt")
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = rename(model_sd, optim_sd, whole_model_names(model, model_sd))
         state = {"model": model_sd, "optim": optim_sd}
         mode = self.cfg.async_mode
         if mode == "sync":
@@ -206,13 +221,16 @@ class Checkpointer:
         if not is_complete(path):
             raise CheckpointError(f"checkpoint {path} is incomplete")
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        check_model_keys(path, model_sd)
+        names = whole_model_names(model, model_sd)
+        model_sd, optim_sd = rename(model_sd, optim_sd, names)
+        check_model_keys(path, model_sd, whole_keys=whole_model_keys(model))
         state = {"model": model_sd, "optim": optim_sd}
         try:
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - name the checkpoint whatever DCP raised
             raise CheckpointError(f"cannot load checkpoint {path}: {err}") from err
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        model_sd, optim_sd = rename(state["model"], state["optim"], {v: k for k, v in names.items()})
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         extra = self._extra(path)
         scheduler.load_state_dict(extra["scheduler"])
         loader.load_state_dict(extra["loader"])
@@ -236,13 +254,16 @@ class Checkpointer:
         """Warm start: model weights only (keys starting with an `exclude` prefix keep their init)."""
         path = resolve_checkpoint(source)
         model_sd = get_model_state_dict(model)
-        check_model_keys(path, model_sd, exclude=exclude)
+        names = whole_model_names(model, model_sd)
+        model_sd, _ = rename(model_sd, None, names)
+        check_model_keys(path, model_sd, exclude=exclude, whole_keys=whole_model_keys(model))
         wanted = {k: v for k, v in model_sd.items() if not k.startswith(exclude)}
         state = {"model": wanted}
         try:
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as err:  # noqa: BLE001
             raise CheckpointError(f"cannot load weights from {path}: {err}") from err
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+        loaded, _ = rename(state["model"], None, {v: k for k, v in names.items()})
+        set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
         log.info("warm start: weights from %s", path)
         return path

@@ -37,9 +37,11 @@ class BatchLoader:
     """Shuffled batches, the same global order for any number of data-parallel ranks.
 
     Each call draws the next `micro_batch * dp_size` samples of a seeded per-epoch permutation; rank r takes
-    its contiguous slice. The position (epoch, cursor) is the whole state, so resuming is exact, and a resume
-    with a different dp_size continues the same global sample order. With `document_eos` (the EOS id) a batch
-    also carries document ids and labels never cross a document (see forge.data.documents).
+    its contiguous slice. An epoch ends only between optimizer steps of `global_batch` samples (default: one
+    call's worth), skipping the tail that cannot fill one, so every layout (dp_size x micro_batch x gradient
+    accumulation) of the same global batch sees the same samples at every step. The position (epoch, cursor) is
+    the whole state, so resuming is exact, also with another dp_size or micro_batch. With `document_eos` (the EOS
+    id) a batch also carries document ids and labels never cross a document (see forge.data.documents).
     """
 
     lr_scale = 1.0
@@ -53,9 +55,13 @@ class BatchLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         document_eos: int | None = None,
+        global_batch: int | None = None,
     ):
-        if micro_batch * dp_size > len(windows):
-            raise ValueError(f"{len(windows)} samples cannot fill one batch of {micro_batch} x {dp_size} ranks")
+        self.global_batch = global_batch or micro_batch * dp_size
+        if self.global_batch % (micro_batch * dp_size):
+            raise ValueError(f"global batch {self.global_batch} is not a multiple of {micro_batch} x {dp_size} ranks")
+        if self.global_batch > len(windows):
+            raise ValueError(f"{len(windows)} samples cannot fill one batch of {self.global_batch}")
         self.windows = windows
         self.micro_batch = micro_batch
         self.seed = seed
@@ -72,7 +78,8 @@ class BatchLoader:
     def next_batch(self) -> tuple[torch.Tensor, ...]:
         """(inputs, labels), each (micro_batch, seq_len) int64, plus doc_ids with document masking."""
         span = self.micro_batch * self.dp_size
-        if self.cursor + span > len(self.windows):
+        step_starts = self.cursor % self.global_batch == 0
+        if step_starts and self.cursor + self.global_batch > len(self.windows):
             self.epoch += 1
             self.cursor = 0
             self._order = self._permutation(self.epoch)

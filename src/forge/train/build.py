@@ -57,7 +57,15 @@ def build_loader(cfg: DictConfig, corpus, dp_rank: int, dp_size: int):
         )
     tokens = getattr(corpus, "train_tokens", corpus)
     windows = TokenWindows(tokens, train.seq_len)
-    return BatchLoader(windows, train.micro_batch_size, train.seed, dp_rank, dp_size, document_eos(cfg, corpus))
+    return BatchLoader(
+        windows,
+        train.micro_batch_size,
+        train.seed,
+        dp_rank,
+        dp_size,
+        document_eos(cfg, corpus),
+        global_batch=train.global_batch_size,
+    )
 
 
 def document_eos(cfg: DictConfig, corpus) -> int | None:
