@@ -23,9 +23,10 @@ TINY = [
     "scheduler.warmup_steps=2",
     "optimizer.lr=3e-3",
     "metrics.console=quiet",
-    "data.train_records=400",
-    "data.val_records=16",
 ]
+
+
+VQA = ["data=vqa_embedded", "data.train_records=400", "data.val_records=16"]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -41,7 +42,8 @@ def train(run_dir: str, *overrides: str) -> dict:
     """Train on this rank; returns the summary plus the per-step losses (rank 0's log)."""
     from torch.distributed.tensor import DTensor
 
-    trainer = VLMTrainer(compose(["data=vqa_embedded", *TINY, *overrides]), Path(run_dir))
+    data = [] if any(o.startswith("data=") for o in overrides) else VQA
+    trainer = VLMTrainer(compose([*data, *TINY, *overrides]), Path(run_dir))
     sharded = {
         "decoder": isinstance(trainer.model.decoder.layers["0"].attention.wq.weight, DTensor),
         "encoder": any(isinstance(p, DTensor) for p in trainer.model.encoder.parameters()),

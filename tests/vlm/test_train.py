@@ -7,7 +7,7 @@ from forge.config import compose
 from forge.train.vlm_trainer import VLMTrainer
 from tests.checkpoint.test_resume import Crash
 from tests.parallel.harness import launch
-from tests.vlm.scenarios import TINY, losses, train
+from tests.vlm.scenarios import TINY, VQA, losses, train
 
 
 @pytest.mark.slow
@@ -30,7 +30,7 @@ def test_video_clips_train(tmp_path):
         "train.steps=20",
         "train.threads=0",
     ]
-    summary = train(str(tmp_path), *overrides[1:], overrides[0])
+    summary = train(str(tmp_path), *overrides)
     assert summary["final_val_loss"] < summary["first_val_loss"] - 2.0, summary
 
 
@@ -49,7 +49,7 @@ SCHEDULE = ["vlm=joint_decoder", "train.steps=8", "vlm.train_decoder_from_step=2
 
 def test_resume_across_a_freeze_change_is_bitwise_and_the_schedule_is_checked(tmp_path):
     whole = train(str(tmp_path / "whole"), *SCHEDULE)
-    overrides = ["data=vqa_embedded", *TINY, *SCHEDULE, "checkpoint.interval=3"]
+    overrides = [*VQA, *TINY, *SCHEDULE, "checkpoint.interval=3"]
     with pytest.raises(Crash):
         CrashingVLMTrainer(compose(overrides), tmp_path / "cut").fit()
     VLMTrainer(compose(overrides), tmp_path / "cut").fit()  # resumes at step 3: decoder trained, encoder not yet
