@@ -3,6 +3,7 @@
 Options are `key=value` pairs (OmegaConf dotlist syntax, checked against GenerateConfig), e.g.
     forge-generate checkpoint=outputs/run prompt='[ROMEO., JULIET.]' max_new_tokens=50 temperature=0.8 top_p=0.9
     forge-generate checkpoint=outputs/run interactive=true      # one prompt per line on stdin
+    forge-generate checkpoint=outputs/vlm-run image=shape.png prompt='what color is the shape?'   # a VLM run
 """
 
 import json
@@ -47,6 +48,14 @@ class GenerateConfig:
     """auto (cuda when available), cpu or cuda."""
     format: str = "text"
     """text (prompt and completion) or jsonl (one {"prompt", "completion", "tokens"} object per prompt)."""
+    image: Optional[str] = None
+    """VLM checkpoints: the image the prompt asks about."""
+    video: Optional[str] = None
+    """VLM checkpoints: the video the prompt asks about (frames from clip_start to clip_end seconds)."""
+    clip_start: float = 0.0
+    """Start of the video clip in seconds."""
+    clip_end: float = 2.0
+    """End of the video clip in seconds."""
 
 
 def parse(argv: list[str], schema: type) -> Any:
@@ -67,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.format not in ("text", "jsonl"):
         sys.exit(f"forge-generate: format={cfg.format!r} is not one of text, jsonl")
     device = resolve_device(cfg.device)
+    if cfg.image is not None or cfg.video is not None:
+        return generate_about_media(cfg, device)
     try:
         loaded = load(cfg.checkpoint, device)
         tokenizer, eos_id = tokenizer_of(cfg.checkpoint, loaded.run_config, cfg.tokenizer)
@@ -104,6 +115,45 @@ def main(argv: list[str] | None = None) -> int:
         prompts = list(cfg.prompt) if OmegaConf.is_list(cfg.prompt) else [str(cfg.prompt)]
         run([str(p) for p in prompts])
     except ValueError as err:  # empty prompt, too long for max_seq_len
+        print(f"forge-generate: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def generate_about_media(cfg, device) -> int:
+    """A VLM checkpoint answering each prompt about cfg.image or cfg.video."""
+    from forge.data.vlm.dataset import MediaRecord
+    from forge.data.vlm.media import MediaError
+    from forge.generate.vlm import generate_vlm, load_vlm
+
+    if cfg.prompt is None:
+        sys.exit("forge-generate: give prompt=TEXT with image= or video=")
+    try:
+        model, corpus, _ = load_vlm(cfg.checkpoint, device)
+        prompts = list(cfg.prompt) if OmegaConf.is_list(cfg.prompt) else [str(cfg.prompt)]
+        for prompt in prompts:
+            if cfg.image is not None:
+                record = MediaRecord(str(cfg.image), str(prompt), "")
+            else:
+                record = MediaRecord(str(cfg.video), str(prompt), "", cfg.clip_start, cfg.clip_end)
+            corpus.on_bad_media = "error"
+            out = generate_vlm(
+                model,
+                corpus,
+                record,
+                cfg.max_new_tokens,
+                cfg.temperature,
+                cfg.top_k,
+                cfg.top_p,
+                cfg.stop_at_eos,
+                cfg.seed,
+            )
+            completion = corpus.tokenizer.decode(out)
+            if cfg.format == "jsonl":
+                print(json.dumps({"prompt": prompt, "completion": completion, "tokens": out}), flush=True)
+            else:
+                print(f"{prompt} {completion}", flush=True)
+    except (CheckpointError, FileNotFoundError, MediaError, ValueError) as err:
         print(f"forge-generate: {err}", file=sys.stderr)
         return 1
     return 0

@@ -7,6 +7,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+import forge.config  # noqa: F401  (first: forge.parallel.degrees and forge.config import each other)
 from forge.parallel import dist
 from forge.parallel.mesh import mean_over_dp
 from forge.parallel.vlm import parallelize_vlm

@@ -1,0 +1,77 @@
+"""Generation with a trained vision-language model: answer a prompt about an image or a video clip.
+
+    forge-generate checkpoint=outputs/vlm-run image=photo.png prompt='what color is the shape?'
+    forge-generate checkpoint=outputs/vlm-run video=clip.mp4 clip_end=2.0 prompt='what video is this?'
+
+The visual prefix is short, so each new token recomputes the whole sequence (no KV cache for VLMs yet). The
+media are preprocessed by the run's own data code (the encoder's image processor, the same frame sampling).
+"""
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
+
+from forge.checkpoint.errors import CheckpointError
+from forge.checkpoint.layout import resolve_checkpoint
+from forge.data.vlm.dataset import MediaRecord
+from forge.generate.sampling import next_token
+
+
+def load_vlm(source: str | Path, device: torch.device):
+    """(model, corpus, run config) of a VLM run directory or checkpoint folder, weights from its DCP checkpoint."""
+    from hydra.utils import instantiate
+    from transformers import AutoImageProcessor
+
+    from forge.train.vlm_trainer import build_vlm
+
+    path = resolve_checkpoint(Path(source).expanduser())
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.yaml: a VLM checkpoint needs the run's config")
+    cfg: DictConfig = OmegaConf.load(config_file)
+    if cfg.get("vlm") is None:
+        raise CheckpointError(f"{path} is a text model's checkpoint (its config has no vlm)")
+    model = build_vlm(cfg, cfg.train.seed)
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except Exception as err:  # noqa: BLE001 - name the checkpoint whatever DCP raised
+        raise CheckpointError(f"cannot load VLM checkpoint {path}: {err}") from err
+    model.load_state_dict(state["model"])
+    processor = AutoImageProcessor.from_pretrained(model.encoder_path)
+    corpus = instantiate(cfg.data, image_processor=processor, _convert_="all")
+    return model.to(device).eval(), corpus, cfg
+
+
+@torch.no_grad()
+def generate_vlm(
+    model,
+    corpus,
+    record: MediaRecord,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_at_eos: bool = True,
+    seed: int = 0,
+) -> list[int]:
+    """Token ids generated after `record.prompt` given its image or clip."""
+    device = next(model.parameters()).device
+    example = corpus.example(record, 1)
+    if example is None:
+        raise ValueError(f"cannot read {record.path}")
+    pixels, mask, times = (example[k][None].to(device) for k in ("pixels", "frame_mask", "frame_times"))
+    ids = corpus.tokenizer.encode(record.prompt).ids
+    if not ids:
+        raise ValueError("the prompt is empty")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        tokens = torch.tensor([ids + out], device=device)
+        token = int(next_token(model(tokens, pixels, mask, times)[:, -1], temperature, top_k, top_p, generator))
+        if stop_at_eos and token == corpus.eos_id:
+            break
+        out.append(token)
+    return out
