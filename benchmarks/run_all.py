@@ -11,6 +11,7 @@ BENCHMARKS = [
     ["data/bench_data.py"],
     ["checkpoint/save_stall.py"],
     ["moe/moe_vs_dense.py"],
+    ["vlm/strategies.py"],
 ]
 
 
