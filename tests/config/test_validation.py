@@ -5,6 +5,14 @@ import pytest
 from forge.config import ConfigError, compose, validate
 
 CASES = [
+    (["resilience.liveness_every_steps=-1"], 1, ["resilience.liveness_every_steps=-1"]),
+    (["resilience.liveness_timeout_s=0"], 1, ["resilience.liveness_timeout_s=0"]),
+    (["resilience.collective_timeout_s=-1"], 1, ["resilience.collective_timeout_s=-1"]),
+    (
+        ["resilience.inject_stall_rank=2", "parallel=fsdp", "train.micro_batch_size=4"],
+        2,
+        ["resilience.inject_stall_rank=2", "world size 2"],
+    ),
     (["data=vqa_embedded"], 1, ["needs a vision-language model", "vlm=joint_decoder"]),
     (["vlm=mot"], 1, ["vlm is set but the data has no images"]),
     (["vlm=moma", "data=vqa_embedded", "parallel=tp2"], 2, ["parallel.tp=2 is not supported with a VLM"]),

@@ -189,11 +189,19 @@ class ResilienceConfig:
     watchdog_min_s: float = 600.0
     """The watchdog never fires before a step has run this long."""
     collective_timeout_s: float = 1800.0
-    """Timeout of collectives (process-group timeout); a dead peer ends the job instead of hanging it."""
+    """Timeout of collectives (process-group timeout); a dead peer ends the job instead of hanging it. A failed
+    collective runs one liveness check to name the lost ranks, then exits with code 77."""
+    liveness_every_steps: int = 0
+    """Every this many steps, all ranks meet in a barrier on a separate gloo group; a rank that does not arrive
+    within liveness_timeout_s is named and the job exits with code 77 (0 disables the periodic check)."""
+    liveness_timeout_s: float = 60.0
+    """How long a liveness check (periodic, or after a failed collective) waits for every rank."""
     inject_nan_at_step: Optional[int] = None
     """Fault-injection test hook: make the loss of this step NaN."""
     inject_stall_at_step: Optional[int] = None
-    """Fault-injection test hook: this step sleeps for an hour (a stalled rank)."""
+    """Fault-injection test hook: this step sleeps for an hour before it starts (a stalled rank)."""
+    inject_stall_rank: Optional[int] = None
+    """Fault-injection test hook: only this rank stalls at inject_stall_at_step (None: every rank)."""
 
 
 @dataclass

@@ -136,6 +136,17 @@ def validate_resilience(cfg: DictConfig) -> None:
             cfg.checkpoint.interval > 0,
             "resilience.nonfinite_policy=rollback needs periodic checkpoints (checkpoint.interval > 0)",
         )
+    for key in ("collective_timeout_s", "liveness_timeout_s"):
+        _require(res[key] > 0, f"resilience.{key}={res[key]} must be positive")
+    _require(res.liveness_every_steps >= 0, f"resilience.liveness_every_steps={res.liveness_every_steps} must be >= 0")
+
+
+def validate_fault_injection(cfg: DictConfig, world_size: int) -> None:
+    rank = cfg.resilience.inject_stall_rank
+    _require(
+        rank is None or 0 <= rank < world_size,
+        f"resilience.inject_stall_rank={rank} is not a rank of the world size {world_size}",
+    )
 
 
 VLM_DATA_PREFIX = "forge.data.vlm."
@@ -179,5 +190,6 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_parallel(cfg, degrees)
     validate_checkpoint(cfg)
     validate_resilience(cfg)
+    validate_fault_injection(cfg, world_size)
     validate_vlm(cfg, degrees)
     return degrees

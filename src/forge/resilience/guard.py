@@ -1,10 +1,14 @@
 """One object the loop consults each step: preemption, non-finite values, the watchdog, fault injection."""
 
 import logging
+import os
 import time
+from typing import NoReturn
 
 import torch
+import torch.distributed as dist
 
+from forge.resilience.liveness import EXIT_PEER_LOST, Liveness, PeerLostError, is_collective_failure
 from forge.resilience.nonfinite import NonFiniteError, NonFinitePolicy
 from forge.resilience.preemption import PreemptionHandler
 from forge.resilience.watchdog import StepWatchdog
@@ -26,15 +30,22 @@ class StepGuard:
         self.preemption = PreemptionHandler(list(cfg.preemption_signals), cfg.preemption_deadline_s)
         self.nonfinite = NonFinitePolicy(cfg.nonfinite_policy, cfg.max_rollbacks)
         self.watchdog = StepWatchdog(cfg.watchdog_factor, cfg.watchdog_min_s) if cfg.watchdog_factor > 0 else None
+        self.liveness = Liveness(cfg.liveness_timeout_s, cfg.liveness_every_steps)
         self.bad_steps: set[int] = set()
+        self.step: int | None = None  # the step in progress, for error messages
 
     def inject(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """Test hook (resilience.inject_nan_at_step): turn one step's loss into NaN."""
         if step == self.cfg.inject_nan_at_step:
             return loss * float("nan")
-        if step == self.cfg.inject_stall_at_step:
-            time.sleep(3600)
         return loss
+
+    def _inject_stall(self, step: int) -> None:
+        """Test hook (resilience.inject_stall_at_step, inject_stall_rank): this rank hangs before the step."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if step == self.cfg.inject_stall_at_step and self.cfg.inject_stall_rank in (None, rank):
+            log.warning("fault injection: rank %d stalls at step %d", rank, step)
+            time.sleep(3600)
 
     def step_is_finite(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """Apply the policy; False means: do not step the optimizer."""
@@ -58,13 +69,39 @@ class StepGuard:
         log.warning("%s: continuing (resilience.nonfinite_policy=warn)", message)
         return True
 
-    def step_started(self) -> None:
+    def step_started(self, step: int | None = None) -> None:
+        """Start the watchdog's clock for `step`, then run the periodic liveness check when one is due."""
+        self.step = step
         if self.watchdog:
-            self.watchdog.step_started()
+            self.watchdog.step_started(step)
+        if step is not None:
+            self._inject_stall(step)
+            self.liveness.check(step)
 
     def step_finished(self) -> None:
         if self.watchdog:
             self.watchdog.step_finished()
+
+    def exit_if_peer_lost(self, err: BaseException) -> None:
+        """A failed collective or liveness check ends the job with one error naming the lost ranks (exit 77).
+
+        The process leaves with os._exit: tearing down a process group whose peer is gone can hang or abort.
+        Any other error, and any error of a single process, returns for the caller to re-raise.
+        """
+        if self.liveness.group is None or not is_collective_failure(err):
+            return
+        try:
+            lost = self.liveness.diagnose(err, self.step)
+        except Exception as probe_err:  # noqa: BLE001 - still end with the original failure
+            lost = PeerLostError(f"a collective failed at step {self.step} ({err}); the liveness check failed too")
+            lost.__cause__ = probe_err
+        self._exit_peer_lost(lost)
+
+    def _exit_peer_lost(self, err: Exception) -> NoReturn:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        log.error("rank %d: %s; ending the job (exit code %d)", rank, err, EXIT_PEER_LOST)
+        logging.shutdown()
+        os._exit(EXIT_PEER_LOST)
 
     def metrics(self) -> dict:
         return {"skipped_steps": self.nonfinite.skipped, "rollbacks": self.nonfinite.rollbacks}
@@ -73,3 +110,4 @@ class StepGuard:
         if self.watchdog:
             self.watchdog.stop()
         self.preemption.restore()
+        self.liveness.close()

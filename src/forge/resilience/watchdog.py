@@ -3,8 +3,10 @@
 import logging
 import os
 import statistics
+import sys
 import threading
 import time
+import traceback
 
 log = logging.getLogger("forge")
 
@@ -20,11 +22,13 @@ class StepWatchdog:
         self.poll_s = poll_s
         self.durations: list[float] = []
         self._started: float | None = None
+        self._step: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="forge-watchdog")
         self._thread.start()
 
-    def step_started(self) -> None:
+    def step_started(self, step: int | None = None) -> None:
+        self._step = step
         self._started = time.monotonic()
 
     def step_finished(self) -> None:
@@ -45,14 +49,31 @@ class StepWatchdog:
             elapsed = time.monotonic() - started
             if elapsed > self.limit():
                 log.error(
-                    "watchdog: step has run %.1f s, over %.1f s (%.0fx the median step); a rank is stalled or a "
-                    "peer is dead — ending the job",
+                    "watchdog: %sstep %s has run %.1f s, over %.1f s (%.0fx the median step); a rank is stalled or "
+                    "a peer is dead — ending the job (exit code %d). This rank's main thread is at:\n%s",
+                    _rank_prefix(),
+                    "?" if self._step is None else self._step,
                     elapsed,
                     self.limit(),
                     self.factor,
+                    EXIT_HUNG,
+                    main_thread_stack(),
                 )
                 logging.shutdown()
                 os._exit(EXIT_HUNG)
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _rank_prefix() -> str:
+    rank = os.environ.get("RANK")
+    return f"rank {rank}, " if rank is not None else ""
+
+
+def main_thread_stack(frames: int = 4) -> str:
+    """The innermost frames of the main thread: in a collective on a waiting rank, elsewhere on a stalled one."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "  (unknown)"
+    return "".join(traceback.format_stack(frame)[-frames:]).rstrip()

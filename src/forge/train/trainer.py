@@ -236,6 +236,9 @@ class Trainer:
         """Train to train.steps (or until preempted); the watchdog and signal handlers end with the loop."""
         try:
             return self._fit()
+        except BaseException as err:  # dcp's CheckpointException is a BaseException
+            self.guard.exit_if_peer_lost(err)  # a dead or stalled peer: one error naming it, exit 77
+            raise
         finally:
             self.guard.close()
 
@@ -251,7 +254,7 @@ class Trainer:
         while self.state.step < train.steps:
             lr = self.optimizer.param_groups[0]["lr"]  # includes a data phase's lr_scale
             self.profiler.step_started(self.state.step + 1)
-            self.guard.step_started()
+            self.guard.step_started(self.state.step + 1)
             if self.state.step + 1 in self.guard.bad_steps:
                 self.skip_step()
                 self.state.step += 1

@@ -1,0 +1,114 @@
+"""Faults in one rank of a two-rank torchrun job: the job ends with an error naming the rank, then resumes bitwise.
+
+FORGE_FAULT_RANK_KILLS sets how many random SIGKILLs of one rank the kill test injects (default 1; the runs grow
+two steps per kill, e.g. 100 kills train 204 steps).
+"""
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from forge.checkpoint.layout import complete_checkpoints, latest_checkpoint, step_of
+from forge.resilience import EXIT_HUNG, EXIT_PEER_LOST
+from tests.faults.conftest import finish, losses, wait_for_step
+from tests.faults.ranks import start_torchrun, worker_pid
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+KILLS = int(os.environ.get("FORGE_FAULT_RANK_KILLS", "1"))
+STEPS = max(10, 2 * KILLS + 4)
+
+
+def start(run_dir, *overrides: str):
+    return start_torchrun(run_dir, f"train.steps={STEPS}", *overrides)
+
+
+def run_torchrun(run_dir, *overrides: str) -> tuple[int, str]:
+    return finish(start(run_dir, *overrides))
+
+
+def assert_sealed_checkpoints_are_whole(root) -> None:
+    for ckpt in complete_checkpoints(root):
+        assert (ckpt / ".metadata").is_file(), ckpt
+        assert (ckpt / "extra-rank0.pt").is_file() and (ckpt / "extra-rank1.pt").is_file(), ckpt
+
+
+def resumed_from(out: str) -> int:
+    """The step of the checkpoint a run says it resumed from."""
+    line = next(line for line in out.splitlines() if "resumed from" in line)
+    return int(line.split("step-")[1][:8])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted two-rank run's loss curve."""
+    run_dir = tmp_path_factory.mktemp("reference2")
+    code, out = run_torchrun(run_dir)
+    assert code == 0, out[-3000:]
+    curve = losses(run_dir)
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    return curve
+
+
+def test_a_stalled_rank_is_named_and_the_job_resumes_bitwise(tmp_path, reference):
+    """Rank 1 hangs before step 6: rank 0's liveness check names it (exit 77), rank 1's watchdog ends it (76).
+
+    The collective timeout stays at its long default: the liveness check exists so that it can.
+    """
+    code, out = run_torchrun(
+        tmp_path,
+        "resilience.inject_stall_at_step=6",
+        "resilience.inject_stall_rank=1",
+        "resilience.liveness_every_steps=1",
+        "resilience.liveness_timeout_s=2",
+        "resilience.watchdog_factor=10",
+        "resilience.watchdog_min_s=6",
+    )
+    assert code != 0, out[-3000:]
+    assert "rank 0: liveness check at step 6: rank 1 did not reach it within 2 s (stalled or dead)" in out, out[-3000:]
+    assert f"exitcode  : {EXIT_PEER_LOST}" in out and f"exitcode  : {EXIT_HUNG}" in out
+    assert "watchdog: rank 1, step 6 has run" in out and "_inject_stall" in out
+    assert max(losses(tmp_path)) == 5
+    assert_sealed_checkpoints_are_whole(tmp_path / "checkpoints")
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000004"
+
+    code, out = run_torchrun(tmp_path, "resilience.liveness_every_steps=1", "resilience.liveness_timeout_s=30")
+    assert code == 0, out[-3000:]
+    assert resumed_from(out) == 4
+    assert losses(tmp_path) == reference  # the liveness rounds change nothing either
+
+
+def test_random_sigkills_of_one_rank_resume_bitwise(tmp_path, reference):
+    """SIGKILL one rank at a random moment: the other names it and exits 77; a resume reproduces the curve."""
+    rng = random.Random(4321)
+    root = tmp_path / "checkpoints"
+    victims = []
+    for kill in range(KILLS):
+        done = max(losses(tmp_path), default=0)
+        if done >= STEPS - 2:
+            break
+        window = max(1, (STEPS - 3 - done) // (KILLS - kill))  # spread the kills over the run
+        launcher = start(tmp_path)
+        wait_for_step(launcher, tmp_path, rng.randint(done + 1, done + window))
+        time.sleep(rng.uniform(0.0, 0.3))  # inside a step or inside a checkpoint write
+        victim = rng.randint(0, 1)
+        os.kill(worker_pid(launcher, victim), signal.SIGKILL)
+        code, out = finish(launcher)
+        assert code != 0, out[-3000:]
+        assert "Signal 9 (SIGKILL)" in out, out[-3000:]
+        survivor = f"rank {1 - victim}: a collective failed at step "
+        assert survivor in out and f"rank {victim} did not answer a liveness check" in out, out[-3000:]
+        assert f"exitcode  : {EXIT_PEER_LOST}" in out
+        assert_sealed_checkpoints_are_whole(root)
+        victims.append(victim)
+    last_sealed = latest_checkpoint(root)  # None when every kill came before the first save
+    code, out = run_torchrun(tmp_path)
+    assert code == 0, out[-3000:]
+    assert ("resumed from" in out) == (last_sealed is not None)
+    if last_sealed is not None:
+        assert resumed_from(out) == step_of(last_sealed)
+    print(f"survived {len(victims)} random SIGKILLs (of ranks {victims}) with an identical loss curve")
+    assert losses(tmp_path) == reference
