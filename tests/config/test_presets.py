@@ -45,6 +45,7 @@ REQUIRED = {
     "hf": ["data.dataset=/data/corpus.jsonl", "data.vocab_size=50257"],
     "vqa_embedded": ["vlm=joint_decoder"],
     "video_embedded": ["vlm=joint_decoder"],
+    "photos_embedded": ["vlm=joint_decoder"],
     "image_text": ["vlm=joint_decoder", "data.path=/data/captions.jsonl"],
     "mixture": ["data.vocab_size=50257", "data.sources.web.path=/data/web", "data.sources.books.path=/data/books"],
 }

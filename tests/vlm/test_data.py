@@ -142,3 +142,17 @@ def test_video_batches_resume_exactly_at_any_dp_size(processor, tmp_path):
         loader.load_state_dict(state)
         halves.append(run(loader, 3))
     assert [a + b for a, b in zip(*halves, strict=True)] == whole[2:]
+
+
+def test_embedded_photos_are_captioned_and_preprocessed(processor, tmp_path):
+    from forge.data.vlm.sources import photos_embedded
+
+    corpus = photos_embedded(processor, cache_dir=str(tmp_path))
+    assert len(corpus.train_records) >= 12 and {r.target for r in corpus.val_records} == {"a motorcycle", "old coins"}
+    batch = corpus.make_loader(12, 4, 4, 0, 0, 1).next_batch()
+    assert batch["pixels"].shape == (4, 1, 3, 64, 64) and batch["frame_mask"].all()
+    assert loader_metrics_ok(corpus)
+
+
+def loader_metrics_ok(corpus) -> bool:
+    return corpus.skipped == 0  # every photo (png, jpg, grayscale) decodes

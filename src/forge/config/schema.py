@@ -331,6 +331,15 @@ class VideoEmbeddedDataConfig(VLMDataConfig):
 
 
 @dataclass
+class PhotosEmbeddedDataConfig(VLMDataConfig):
+    """scikit-image's sample photos with short captions (a captioning demo; a handful of images)."""
+
+    _target_: str = "forge.data.vlm.sources.photos_embedded"
+    val_photos: list[str] = field(default_factory=lambda: ["motorcycle_right", "coins"])
+    """Photos (file stems) held out for validation."""
+
+
+@dataclass
 class ImageTextDataConfig(VLMDataConfig):
     """Your own records: a jsonl of {"image", "text"} or {"image", "question", "answer"}, or an image folder with
     metadata.jsonl ({"file_name", "text"}) as Hugging Face's imagefolder expects."""
@@ -484,6 +493,7 @@ SCHEMAS: dict[str, type] = {
     "vqa_embedded_data_schema": VQAEmbeddedDataConfig,
     "video_embedded_data_schema": VideoEmbeddedDataConfig,
     "image_text_data_schema": ImageTextDataConfig,
+    "photos_embedded_data_schema": PhotosEmbeddedDataConfig,
     "prepare_schema": PrepareConfig,
     "memmap_data_schema": MemmapDataConfig,
     "mixture_data_schema": MixtureDataConfig,

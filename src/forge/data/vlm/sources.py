@@ -135,3 +135,47 @@ def image_text(
             raise ValueError(f"{meta}:{number}: not an image-text record ({err!r})") from None
     n_val = max(1, round(len(records) * val_fraction))
     return _corpus(records[:-n_val], records[-n_val:], image_processor, tokenizer, vocab_size, cache_dir, **options)
+
+
+PHOTO_CAPTIONS = {
+    "astronaut": "an astronaut in a white suit",
+    "brick": "a brick wall",
+    "camera": "a man with a camera",
+    "chelsea": "a cat named chelsea",
+    "coffee": "a cup of coffee",
+    "coins": "old coins",
+    "grass": "grass",
+    "gravel": "gravel",
+    "horse": "a horse",
+    "hubble_deep_field": "galaxies in deep space",
+    "moon": "the surface of the moon",
+    "motorcycle_left": "a motorcycle",
+    "motorcycle_right": "a motorcycle",
+    "page": "a page of text",
+    "retina": "a retina",
+    "rocket": "a rocket on the launch pad",
+    "text": "text on a page",
+}
+
+
+def photos_embedded(
+    image_processor,
+    vocab_size: int = 512,
+    tokenizer: str = "bpe",
+    cache_dir: str = "~/.cache/forge",
+    val_photos: tuple[str, ...] = ("motorcycle_right", "coins"),
+    **options,
+) -> VLMCorpus:
+    """scikit-image's sample photos with short captions (prompt "what is in the picture?"); a handful of photos,
+    for a demo and tests of captioning rather than a benchmark."""
+    folder = package_dir("skimage") / "data"
+    records = []
+    for name, caption in PHOTO_CAPTIONS.items():
+        files = [p for p in (folder / f"{name}.png", folder / f"{name}.jpg") if p.is_file()]
+        if files:
+            records.append(MediaRecord(str(files[0]), "what is in the picture?", caption))
+    if not records:
+        raise FileNotFoundError(f"no scikit-image sample photos under {folder}")
+    val = [r for r in records if Path(r.path).stem in val_photos]
+    train = [r for r in records if Path(r.path).stem not in val_photos]
+    return _corpus(train, val, image_processor, tokenizer, vocab_size, cache_dir, **options)
