@@ -5,14 +5,6 @@ import pytest
 from forge.config import ConfigError, compose, validate
 
 CASES = [
-    (["resilience.liveness_every_steps=-1"], 1, ["resilience.liveness_every_steps=-1"]),
-    (["resilience.liveness_timeout_s=0"], 1, ["resilience.liveness_timeout_s=0"]),
-    (["resilience.collective_timeout_s=-1"], 1, ["resilience.collective_timeout_s=-1"]),
-    (
-        ["resilience.inject_stall_rank=2", "parallel=fsdp", "train.micro_batch_size=4"],
-        2,
-        ["resilience.inject_stall_rank=2", "world size 2"],
-    ),
     (["data=vqa_embedded"], 1, ["needs a vision-language model", "vlm=joint_decoder"]),
     (["vlm=mot"], 1, ["vlm is set but the data has no images"]),
     (["vlm=moma", "data=vqa_embedded", "parallel=tp2"], 2, ["parallel.tp=2 is not supported with a VLM"]),
@@ -48,6 +40,20 @@ CASES = [
         ["model.moe.num_experts=3", "parallel.ep=2"],
     ),
     (["parallel=fsdp", "parallel.ep=3", "model=moe", "train.micro_batch_size=4"], 2, ["parallel.ep=3 must divide"]),
+    (
+        ["parallel=hsdp", "parallel.ep=4", "model=moe", "train.micro_batch_size=2"],
+        4,
+        ["parallel.ep=4 must divide parallel.dp_shard=2", "data-parallel world size 4"],
+    ),
+    (["parallel=ep2_fsdp", "parallel.tp=2", "model=moe", "train.micro_batch_size=4"], 4, ["parallel.tp=2 is not"]),
+    (["parallel=ep2_fsdp", "parallel.pp=2", "model=moe", "train.micro_batch_size=4"], 4, ["parallel.pp=2 is not"]),
+    (["parallel=ep2_fsdp", "model=llama_tiny", "train.micro_batch_size=4"], 2, ["the model is dense"]),
+    (
+        ["parallel=ep2_fsdp", "model=moe", "parallel.activation_checkpoint=selective", "train.micro_batch_size=4"],
+        2,
+        ["parallel.activation_checkpoint=selective is not supported"],
+    ),
+    (["model=moe", "model.moe.aux_loss_scope=batch"], 1, ["model.moe.aux_loss_scope='batch'"]),
     (["model=moe", "model.moe.top_k=9"], 1, ["model.moe.top_k=9"]),
     (["model=moe", "model.moe.router=hash"], 1, ["model.moe.router='hash'"]),
     (["model=moe", "model.moe.num_experts=0"], 1, ["model.moe.num_experts=0"]),
@@ -66,6 +72,14 @@ CASES = [
     (["checkpoint.async_mode=later"], 1, ["checkpoint.async_mode='later'"]),
     (["checkpoint.interval=-5"], 1, ["checkpoint.interval=-5"]),
     (["checkpoint.keep_last_n=0"], 1, ["checkpoint.keep_last_n=0"]),
+    (["resilience.liveness_every_steps=-1"], 1, ["resilience.liveness_every_steps=-1"]),
+    (["resilience.liveness_timeout_s=0"], 1, ["resilience.liveness_timeout_s=0"]),
+    (["resilience.collective_timeout_s=-1"], 1, ["resilience.collective_timeout_s=-1"]),
+    (
+        ["resilience.inject_stall_rank=2", "parallel=fsdp", "train.micro_batch_size=4"],
+        2,
+        ["resilience.inject_stall_rank=2", "world size 2"],
+    ),
 ]
 
 

@@ -1,6 +1,6 @@
 """The mesh shape of each layout and the plan's single-process behaviour (no process group needed)."""
 
-import importlib.util
+import sys
 
 import pytest
 import torch
@@ -34,6 +34,19 @@ def test_mesh_shape_skips_size_one_dims_but_keeps_a_shard_dim_for_ddp(layout, sh
     assert list(mesh_shape(layout)) == [d for d in ("pp", "dp_replicate", "dp_shard", "tp") if d in shape]
 
 
+@pytest.mark.parametrize(
+    ("layout", "shape"),
+    [
+        (degrees(dp_shard=2, ep=2), {"dp_shard_mod_ep": 1, "ep": 2}),
+        (degrees(dp_shard=8, ep=2), {"dp_shard_mod_ep": 4, "ep": 2}),
+        (degrees(dp_replicate=2, dp_shard=4, ep=4), {"dp_replicate": 2, "dp_shard_mod_ep": 1, "ep": 4}),
+    ],
+)
+def test_expert_parallel_splits_dp_shard_into_an_outer_fsdp_dim_and_ep(layout, shape):
+    assert mesh_shape(layout) == shape
+    assert list(mesh_shape(layout)) == list(shape)  # ep inside: the ranks exchanging tokens are neighbours
+
+
 def meta_model() -> Transformer:
     with torch.device("meta"):
         return Transformer(TransformerArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64, ffn_dim=64))
@@ -62,7 +75,7 @@ def test_pipeline_stages_keep_their_blocks_and_the_whole_model_names():
     assert sorted(split) == sorted(names)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchao") is not None, reason="torchao is installed")
-def test_fp8_without_torchao_names_the_missing_package():
+def test_fp8_without_torchao_names_the_missing_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # as if torchao were not installed
     with pytest.raises(RuntimeError, match="pip install torchao"):
         parallelize(meta_model(), None, degrees(), parallel_cfg(fp8=True), torch.device("cpu"))

@@ -62,6 +62,22 @@ def test_report_runs_in_process_for_one_rank():
     assert "mesh: none (one process)" in text and "(1.0000 of the model" in text
 
 
+def test_plan_of_ep2_fsdp_shows_the_expert_split_and_per_rank_parameters():
+    text = plan_report(compose(["model=moe_tiny", "parallel=ep2_fsdp", "parallel.world_size=4"]))
+    assert "mesh: {'dp_shard_mod_ep': 2, 'ep': 2}" in text
+    assert "expert parallel over 2 ranks" in text and "4 of 8 experts per rank" in text
+    total, local = (
+        int(n.replace(",", "")) for n in re.search(r"total ([\d,]+) \| rank 0 holds ([\d,]+)", text).groups()
+    )
+    experts, local_experts = (
+        int(n.replace(",", ""))
+        for n in re.search(r"routed expert parameters: total ([\d,]+), rank 0 holds ([\d,]+)", text).groups()
+    )
+    # Experts: 1/2 by ep x 1/2 by FSDP over dp_shard_mod_ep; the rest: 1/4 by FSDP over all 4 ranks.
+    assert local_experts == experts // 4
+    assert local - local_experts == pytest.approx((total - experts) / 4, rel=0.01)
+
+
 def test_checkpointing_shrinks_the_activation_estimate():
     from forge.parallel.degrees import Degrees
     from forge.train.build import model_args

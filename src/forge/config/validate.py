@@ -12,6 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ACTIVATION_CHECKPOINT = ("none", "full", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 ROUTERS = ("softmax_topk", "sigmoid_topk")
+AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global_batch")
 ASYNC_MODES = ("sync", "async", "async_pinned")
 
 
@@ -41,6 +42,7 @@ def validate_model(model: DictConfig) -> None:
         )
         _require(moe.every >= 1, f"model.moe.every={moe.every} must be at least 1")
         _require(moe.capacity_factor >= 0, f"model.moe.capacity_factor={moe.capacity_factor} must be >= 0")
+        _one_of("model.moe.aux_loss_scope", moe.aux_loss_scope, AUX_LOSS_SCOPES)
 
 
 def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
@@ -84,10 +86,34 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
     )
     moe = model.get("moe")
     if degrees.ep > 1:
-        _require(moe is not None, f"parallel.ep={degrees.ep} needs an MoE model (model.moe is null)")
+        _require(
+            moe is not None,
+            f"parallel.ep={degrees.ep} needs an MoE model (model.moe is null: the model is dense, it has no experts "
+            "to split; use model=moe_tiny or another MoE preset, or parallel.ep=1)",
+        )
+        _require(
+            degrees.dp_shard % degrees.ep == 0,
+            f"parallel.ep={degrees.ep} must divide parallel.dp_shard={degrees.dp_shard} (expert parallelism borrows "
+            f"ranks from the data-parallel shard dimension; data-parallel world size {degrees.dp})",
+        )
         _require(
             moe.num_experts % degrees.ep == 0,
             f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={degrees.ep}",
+        )
+        _require(
+            degrees.tp == 1,
+            f"parallel.ep={degrees.ep} with parallel.tp={degrees.tp} is not supported (experts are not "
+            "tensor-parallel; use parallel.tp=1)",
+        )
+        _require(
+            degrees.pp == 1,
+            f"parallel.ep={degrees.ep} with parallel.pp={degrees.pp} is not supported (pipeline stages of MoE "
+            "models are not implemented; use parallel.pp=1)",
+        )
+        _require(
+            parallel.activation_checkpoint != "selective",
+            f"parallel.ep={degrees.ep} with parallel.activation_checkpoint=selective is not supported (the experts' "
+            "own FSDP hooks replay differently when the block is recomputed; use full or none)",
         )
     if degrees.pp > 1:
         _require(moe is None, f"parallel.pp={degrees.pp} is not supported with an MoE model (model.moe is set)")

@@ -43,8 +43,10 @@ class MoEArgs:
     bias_update_rate: float = 0.001
     """Step size of the per-expert bias update (sigmoid router): bias += rate * sign(mean load - load) per step."""
     aux_loss_scope: str = "micro_batch"
-    """Tokens the load-balancing loss averages over: micro_batch (Switch) or sequence (DeepSeek-V3's per-sequence
-    loss, averaged over the sequences)."""
+    """Tokens the load-balancing loss averages over: micro_batch (Switch, each rank's micro-batch), sequence
+    (DeepSeek-V3's per-sequence loss, averaged over the sequences) or global_batch (the expert loads of the
+    micro-batches all data-parallel ranks run at once are summed, so the ranks' mean loss equals one process's
+    over all their tokens; without gradient accumulation that is the whole global batch)."""
     grouped_mm: bool = False
     """Run the experts as grouped GEMMs (torch._grouped_mm; bf16 needs dim and expert size multiples of 8) instead
     of one matmul chain per expert."""

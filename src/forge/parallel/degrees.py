@@ -26,8 +26,8 @@ class Degrees:
 def resolve_degrees(parallel, world_size: int) -> Degrees:
     """Fill the one degree set to -1 and check that the product equals the world size.
 
-    Expert parallelism borrows ranks from the data-parallel dimensions (as in torchtitan), so `ep` does not
-    enter the product; it must divide dp_shard * tp.
+    Expert parallelism borrows ranks from the data-parallel shard dimension (as in torchtitan), so `ep` does not
+    enter the product; forge.config.validate checks that it divides dp_shard.
     """
     sizes = {k: int(parallel[k]) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
     free = [k for k, v in sizes.items() if v == -1]
@@ -54,6 +54,6 @@ def resolve_degrees(parallel, world_size: int) -> Degrees:
             + " x ".join(f"parallel.{k}={v}" for k, v in sizes.items())
             + f" = {degrees.world_size} does not equal the world size {world_size}"
         )
-    if degrees.ep < 1 or (degrees.dp_shard * degrees.tp) % degrees.ep:
-        raise ConfigError(f"parallel.ep={degrees.ep} must divide parallel.dp_shard x parallel.tp")
+    if degrees.ep < 1:
+        raise ConfigError(f"parallel.ep={degrees.ep} must be a positive integer")
     return degrees

@@ -11,6 +11,10 @@ weights and replaces the layer's `dispatch` callable with `ExpertParallelDispatc
 
 Router, attention and every other weight stay replicated over the group; their gradients are averaged by data
 parallelism as usual. Expert weights receive the gradient of every rank's tokens that visited them.
+
+Two ways in: `apply_expert_parallel(model, group)` keeps plain per-rank slices (the standalone building block),
+and `shard_experts(model, ep_mesh)` (the parallel plan's) makes the stacked expert weights DTensors sharded on
+dim 0 over the `ep` mesh dimension, so FSDP2 can shard them further and DCP saves them as whole tensors.
 """
 
 import torch
@@ -18,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from forge.model.moe import moe_layers
 from forge.model.moe.dispatch import ExpertCompute
@@ -42,7 +47,7 @@ class ExpertParallelDispatch:
         received = funcol.all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
         local_ids = torch.arange(self.num_local, device=x.device).repeat(self.ep)
         by_expert = torch.argsort(local_ids.repeat_interleave(recv.flatten()), stable=True)
-        out = experts(received[by_expert], recv.sum(dim=0))
+        out = experts(received[by_expert], recv.sum(dim=0), local_part)
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
         return funcol.all_to_all_single_autograd(out[back], send_splits, recv_splits, self.group)
@@ -65,6 +70,52 @@ def apply_expert_parallel(model: nn.Module, ep: dist.ProcessGroup | DeviceMesh) 
         layer.experts.keep_slice(rank * local, local)
         layer.dispatch = ExpertParallelDispatch(group, num_experts)
     return model
+
+
+def local_part(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked expert weight (differentiable; a plain tensor is already local)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def shard_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
+    """Make every MoE layer's w1/w2/w3 a DTensor sharded on the expert dimension over the 1-D `ep_mesh` and
+    install the all-to-all dispatch; returns the number of MoE layers.
+
+    Rank r of the mesh keeps experts [r * E / ep, (r + 1) * E / ep). On the meta device only shapes change; the
+    values come later from the plan's initialisation (`forge.parallel.init`), which splits the whole model's.
+    """
+    size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    layers = moe_layers(model)
+    for _, layer in layers:
+        experts, num_experts = layer.experts, layer.args.num_experts
+        if num_experts % size:
+            raise ValueError(f"model.moe.num_experts={num_experts} is not divisible by the ep degree {size}")
+        local = num_experts // size
+        for name in ("w1", "w2", "w3"):
+            full = getattr(experts, name).detach()
+            part = full[rank * local : (rank + 1) * local].clone()
+            sharded = DTensor.from_local(
+                part, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+            )
+            setattr(experts, name, nn.Parameter(sharded))
+        experts.first, experts.num_local = rank * local, local
+        layer.dispatch = ExpertParallelDispatch(ep_mesh.get_group(), num_experts)
+    return len(layers)
+
+
+def sum_load_over(group: dist.ProcessGroup, model: nn.Module) -> int:
+    """Give every MoE layer with `aux_loss_scope=global_batch` the sum of its expert counts over `group` (the
+    data-parallel ranks); returns how many layers got it."""
+
+    def sum_load(counts: torch.Tensor) -> torch.Tensor:
+        total = counts.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    layers = [layer for _, layer in moe_layers(model) if layer.args.aux_loss_scope == "global_batch"]
+    for layer in layers:
+        layer.sum_load = sum_load
+    return len(layers)
 
 
 def sum_over_ranks(tensor: torch.Tensor) -> None:

@@ -6,8 +6,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from forge.parallel.degrees import Degrees
 
-# Outer to inner: pipeline stages talk least, tensor-parallel ranks most (so tp stays inside a node).
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# Outer to inner: pipeline stages talk least, tensor-parallel ranks most (so tp stays inside a node). With expert
+# parallelism dp_shard is split into (dp_shard_mod_ep, ep): ep borrows the inner FSDP ranks, as in torchtitan.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "dp_shard_mod_ep", "ep", "tp")
 
 
 def mesh_shape(degrees: Degrees) -> dict[str, int]:
@@ -15,11 +16,18 @@ def mesh_shape(degrees: Degrees) -> dict[str, int]:
 
     dp_shard stays (at size 1) when dp_replicate > 1, so pure data parallelism runs as FSDP2 on a
     (dp_replicate, dp_shard=1) mesh: replicated parameters and all-reduced gradients, like DDP.
+    With ep > 1, dp_shard becomes (dp_shard_mod_ep = dp_shard / ep, ep), the first kept at size 1 too: expert
+    weights are sharded over ep and FSDP-sharded over dp_shard_mod_ep (replicated when that is 1); `build_mesh`
+    flattens the two back into dp_shard for the other weights.
     """
     sizes = {"pp": degrees.pp, "dp_replicate": degrees.dp_replicate, "dp_shard": degrees.dp_shard, "tp": degrees.tp}
     keep = {name: size for name, size in sizes.items() if size > 1}
     if degrees.dp_replicate > 1 and "dp_shard" not in keep:
         keep["dp_shard"] = 1
+    if degrees.ep > 1:
+        del keep["dp_shard"]
+        keep["dp_shard_mod_ep"] = degrees.dp_shard // degrees.ep
+        keep["ep"] = degrees.ep
     return {name: keep[name] for name in MESH_DIMS if name in keep}
 
 
@@ -31,6 +39,8 @@ def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh | None:
         raise RuntimeError("build_mesh needs an initialised process group (forge.parallel.dist.init_distributed)")
     shape = mesh_shape(degrees)
     mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    if "ep" in shape:
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
     dp_dims = dp_dim_names(mesh)
     if len(dp_dims) > 1:
         mesh[dp_dims]._flatten("dp")
@@ -38,8 +48,22 @@ def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh | None:
 
 
 def dp_dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The data-parallel dimensions present in the mesh, outer first."""
-    return tuple(name for name in ("dp_replicate", "dp_shard") if name in (mesh.mesh_dim_names or ()))
+    """The data-parallel dimensions of the mesh's shape, outer first (ep and dp_shard_mod_ep split dp_shard)."""
+    names = ("dp_replicate", "dp_shard", "dp_shard_mod_ep", "ep")
+    return tuple(name for name in names if name in (mesh.mesh_dim_names or ()))
+
+
+def has_dp_shard(mesh: DeviceMesh | None) -> bool:
+    """The mesh has a dp_shard dimension (its own, or flattened from dp_shard_mod_ep x ep)."""
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return "dp_shard" in names or "ep" in names
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards expert weights over: dp_shard_mod_ep, with dp_replicate in front for HSDP."""
+    if "dp_replicate" in (mesh.mesh_dim_names or ()):
+        return mesh["dp_replicate", "dp_shard_mod_ep"]
+    return mesh["dp_shard_mod_ep"]
 
 
 def dp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:

@@ -1,6 +1,7 @@
 """The parallel plan: one function applies every transform to the meta-device model, in this order.
 
-tensor parallel -> expert parallel -> float8 -> activation checkpointing -> per-block compile -> FSDP2.
+tensor parallel -> expert parallel -> global-batch router loads -> float8 -> activation checkpointing
+-> per-block compile -> FSDP2.
 
 TP must come first because FSDP shards the DTensors TP produced (2-D parameters); checkpointing and compile
 wrap whole blocks, and FSDP wraps last so its hooks run outside the checkpointed and compiled regions.
@@ -16,7 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from forge.model.moe import moe_layers
 from forge.parallel.degrees import Degrees
+from forge.parallel.expert import shard_experts, sum_load_over
+from forge.parallel.mesh import dp_mesh, expert_fsdp_mesh, has_dp_shard
 from forge.parallel.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger("forge")
@@ -41,6 +45,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, degrees: Degrees, par
         apply_tensor_parallel(model, mesh["tp"])
     if degrees.ep > 1:
         apply_expert_parallel(model, mesh, degrees)
+    apply_global_router_loads(model, mesh)
     if parallel_cfg.fp8:
         apply_float8(model, degrees)
     if parallel_cfg.activation_checkpoint != "none":
@@ -49,13 +54,34 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, degrees: Degrees, par
         apply_compile(model)
     shard_mesh = fsdp_mesh(mesh)
     if shard_mesh is not None:
-        apply_fsdp(model, shard_mesh)
+        apply_fsdp(model, shard_mesh, expert_fsdp_mesh(mesh) if degrees.ep > 1 else None)
     return model
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, degrees: Degrees) -> None:
-    """Hook for the MoE layers: split the experts over `degrees.ep` ranks (not implemented yet)."""
-    raise NotImplementedError(f"parallel.ep={degrees.ep}: expert parallelism is not implemented yet")
+    """Split every MoE layer's experts over the `ep` mesh dimension (borrowed from dp_shard, as in torchtitan),
+    tokens moving to their experts and back by all-to-all. Router, attention and shared experts stay dense."""
+    layers = shard_experts(model, mesh["ep"])
+    if not layers:
+        raise ValueError(f"parallel.ep={degrees.ep} but the model has no MoE layer")
+    num_experts = moe_layers(model)[0][1].args.num_experts
+    log.info(
+        "expert parallel over %d ranks (ep borrows from dp_shard=%d): %d MoE layers, %d of %d experts per rank",
+        degrees.ep,
+        degrees.dp_shard,
+        layers,
+        num_experts // degrees.ep,
+        num_experts,
+    )
+
+
+def apply_global_router_loads(model: nn.Module, mesh: DeviceMesh | None) -> None:
+    """MoE layers with aux_loss_scope=global_batch balance the expert loads summed over the data-parallel ranks."""
+    dp = dp_mesh(mesh)
+    if dp is None or dp.size() == 1:
+        return
+    if layers := sum_load_over(dp.get_group(), model):
+        log.info("global-batch load balancing: %d MoE layers sum expert loads over %d dp ranks", layers, dp.size())
 
 
 def apply_float8(model: nn.Module, degrees: Degrees) -> None:
@@ -103,23 +129,44 @@ def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
     if "dp_replicate" in names:
         return mesh["dp_replicate", "dp_shard"]
-    if "dp_shard" in names:
+    if has_dp_shard(mesh):
         return mesh["dp_shard"]
     return None
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 per block, then the root (embedding, norm, head). On a 2-D mesh the first dimension replicates
-    (HSDP); with a shard dimension of size 1 this is plain data parallelism with all-reduced gradients."""
+    (HSDP); with a shard dimension of size 1 this is plain data parallelism with all-reduced gradients.
+
+    With expert parallelism each MoE layer's experts are wrapped first, on `expert_mesh` (the data-parallel ranks
+    that hold the same experts), so the block's own FSDP group leaves them out.
+    """
     for block in model.layers.values():
+        if expert_mesh is not None:
+            for _, layer in moe_layers(block):
+                fully_shard_experts(layer.experts, expert_mesh, mesh.size())
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if expert_mesh is not None:
+        shape = dict(zip(expert_mesh.mesh_dim_names, expert_mesh.shape))
+        log.info("FSDP of the expert weights over mesh %s (x ep), gradients divided by %d dp ranks", shape, mesh.size())
     if mesh.ndim == 1:
         kind = "FSDP"
     else:
         kind = "HSDP" if mesh.size(1) > 1 else "DDP (FSDP2 on a replicate-only mesh)"
     shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
     log.info("%s over mesh %s: %d blocks and the root", kind, shape, len(model.layers))
+
+
+def fully_shard_experts(experts: nn.Module, mesh: DeviceMesh, dp_size: int) -> None:
+    """FSDP2 over the ranks sharing these experts. Every data-parallel rank's tokens reach them through the
+    all-to-all, so the summed gradient is divided by all `dp_size` ranks, not by this smaller group's size."""
+    fully_shard(experts, mesh=mesh)
+    experts.set_gradient_divide_factor(float(dp_size))
+    if mesh.size(mesh.ndim - 1) > 1:
+        # Plain sums, then a division: gloo has no pre-multiplied sum. (Not on a shard group of one rank: there
+        # FSDP already divides while copying, and forcing sums would divide a second time.)
+        experts.set_force_sum_reduction_for_comms(True)
 
 
 def count_local_parameters(model: nn.Module) -> int:

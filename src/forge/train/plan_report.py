@@ -11,7 +11,9 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
     + activations: in-flight micro-batch tokens T = micro_batch_size x seq_len (x in-flight pipeline micro-batches)
         no checkpointing:    T x [L_r x (7 d + 2 kv + 4 f) + head] x bytes / tp
         full checkpointing:  T x [L_r x d + (7 d + 2 kv + 4 f) + head] x bytes / tp
-      where L_r are the rank's blocks, d the model width, kv the key/value width, f the MLP hidden width,
+      where L_r are the rank's blocks, d the model width, kv the key/value width, f the MLP hidden width (in an
+      MoE block the hidden width each token passes through: expert size x (top_k + shared experts), averaged over
+      the blocks),
       head = 2 d + 4 V on the last stage (final norm input and output, the logits, their fp32 log-softmax, and
       at the start of backward the gradients of both),
       bytes = 2 under bf16 autocast, 4 in fp32. Per block, autograd keeps: the two norms' inputs and outputs (4 d),
@@ -50,9 +52,34 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.gather_buffers + acts
 
 
-def block_activation_elems(args) -> int:
+def ffn_token_width(args) -> float:
+    """Hidden width a token passes through in a block's MLP, averaged over the blocks (MoE: its k experts and the
+    shared ones)."""
+    moe = args.moe
+    if moe is None:
+        return args.hidden_dim
+    expert = moe.expert_ffn_dim or args.hidden_dim
+    moe_blocks = sum((i + 1) % moe.every == 0 for i in range(args.n_layers))
+    moe_width = expert * (moe.top_k + moe.num_shared_experts)
+    return (moe_blocks * moe_width + (args.n_layers - moe_blocks) * args.hidden_dim) / args.n_layers
+
+
+def block_activation_elems(args) -> float:
     """Elements autograd keeps per token for one block (see the module docstring)."""
-    return 7 * args.dim + 2 * args.kv_heads * args.head_dim + 4 * args.hidden_dim
+    return 7 * args.dim + 2 * args.kv_heads * args.head_dim + 4 * ffn_token_width(args)
+
+
+def block_gather_params(args, degrees: Degrees) -> float:
+    """Parameters of the largest block that FSDP all-gathers (an upper bound: GQA has fewer). An MoE block's
+    expert weights are gathered only over dp_shard / ep ranks, and only this rank's E / ep experts."""
+    dense = 4 * args.dim * args.dim + 3 * args.dim * args.hidden_dim
+    moe = args.moe
+    if moe is None:
+        return dense
+    expert = moe.expert_ffn_dim or args.hidden_dim
+    shared = 3 * args.dim * expert * moe.num_shared_experts + args.dim * moe.num_experts
+    experts = 3 * args.dim * expert * moe.num_experts / degrees.ep if degrees.dp_shard > degrees.ep else 0
+    return max(dense, 4 * args.dim * args.dim + shared + experts)
 
 
 def estimate_memory(
@@ -71,8 +98,7 @@ def estimate_memory(
     block = block_activation_elems(args)
     full = tokens * (rank_blocks * block + head) * act_bytes / degrees.tp
     ckpt = tokens * (rank_blocks * args.dim + block + head) * act_bytes / degrees.tp
-    block_params = 4 * args.dim * args.dim + 3 * args.dim * args.hidden_dim  # upper bound (GQA has fewer)
-    gather = 2 * block_params / degrees.tp * act_bytes if degrees.dp_shard > 1 else 0
+    gather = 2 * block_gather_params(args, degrees) / degrees.tp * act_bytes if degrees.dp_shard > 1 else 0
     return MemoryEstimate(4 * local_params, 4 * local_params, 8 * local_params, gather, full, ckpt)
 
 
@@ -101,6 +127,7 @@ class _Collect(logging.Handler):
 def plan_report(cfg: DictConfig) -> str:
     """The report printed by `forge-train --plan`."""
     from forge.metrics.flops import count_flops_per_token
+    from forge.model.moe import moe_layers
     from forge.parallel.mesh import build_mesh, mesh_shape
     from forge.parallel.pipeline import build_stage_module, stages_per_rank
     from forge.parallel.plan import count_local_parameters, parallelize
@@ -124,6 +151,8 @@ def plan_report(cfg: DictConfig) -> str:
         with group:
             mesh = build_mesh(degrees, "cpu")
             lines.append(f"mesh: {mesh_shape(degrees) or 'none (one process)'}")
+            if degrees.ep > 1:
+                lines[-1] += f" (non-expert weights: dp_shard={degrees.dp_shard} = dp_shard_mod_ep x ep, flattened)"
             parts = [model]
             if degrees.pp > 1:
                 n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
@@ -134,6 +163,7 @@ def plan_report(cfg: DictConfig) -> str:
             for part in parts:
                 parallelize(part, mesh, degrees, parallel, torch.device("cpu"))
             local = sum(count_local_parameters(p) for p in parts)
+            local_experts = sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p))
             rank_blocks = sum(len(p.layers) for p in parts)
             has_head = any(p.output is not None for p in parts)
     finally:
@@ -145,6 +175,8 @@ def plan_report(cfg: DictConfig) -> str:
         f"parameters: total {total:,} | rank 0 holds {local:,} "
         f"({local / total:.4f} of the model, 1/{total / local:.1f})"
     )
+    if args.moe is not None:
+        lines.append(_expert_line(args, degrees, model, local, local_experts))
 
     flops = count_flops_per_token(args, train.seq_len)
     lines.append(
@@ -181,6 +213,24 @@ def plan_report(cfg: DictConfig) -> str:
     )
     lines.append("formula: see forge.train.plan_report (params 4P + grads 4P + AdamW 8P + gather + activations)")
     return "\n".join(lines)
+
+
+def _expert_line(args, degrees: Degrees, model, local: int, local_experts: int) -> str:
+    """Where the routed experts live: the ep split and this rank's share of the expert weights."""
+    from forge.model.moe import moe_layers
+
+    experts = sum(layer.experts.w1.numel() * 3 for _, layer in moe_layers(model))  # global shapes, DTensor or not
+    num = args.moe.num_experts
+    where = (
+        f"ep={degrees.ep} (borrowed from dp_shard={degrees.dp_shard}; each expert's weights FSDP-sharded over "
+        f"dp_shard / ep = {degrees.dp_shard // degrees.ep} rank(s)), {num // degrees.ep} of {num} experts per rank"
+        if degrees.ep > 1
+        else f"no expert parallelism (parallel.ep=1): all {num} experts on every rank, sharded like dense weights"
+    )
+    return (
+        f"experts: {where} | routed expert parameters: total {experts:,}, rank 0 holds {local_experts:,} "
+        f"(1/{experts / max(local_experts, 1):.1f}); other parameters on rank 0: {local - local_experts:,}"
+    )
 
 
 def _fit_global_batch(cfg: DictConfig, world_size: int) -> list[str]:

@@ -4,9 +4,14 @@ Layout matches `torch._grouped_mm(x, w)` (x @ w): w1 and w3 are (experts, dim, h
 Tokens arrive grouped by expert: rows [0, counts[0]) go to the first local expert, and so on.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+WeightView = Callable[[torch.Tensor], torch.Tensor]
+"""Maps a stacked expert weight to the plain tensor of this process's experts (expert parallelism passes one)."""
 
 
 def grouped_mm_available() -> bool:
@@ -32,23 +37,29 @@ class GroupedExperts(nn.Module):
             setattr(self, name, nn.Parameter(full.detach()[first : first + count].clone()))
         self.first, self.num_local = first, count
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (N, dim) grouped by local expert, counts (num_local,) int64 -> (N, dim)."""
-        if self.use_grouped_mm:
-            return self.forward_grouped(x, counts)
-        return self.forward_loop(x, counts)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, view: WeightView | None = None) -> torch.Tensor:
+        """x (N, dim) grouped by local expert, counts (num_local,) int64 -> (N, dim).
 
-    def forward_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """One matmul chain per expert: the reference path (any dtype, any device)."""
+        `view` is applied to w1, w2 and w3 inside forward (after any wrapper's pre-forward hook gathered them):
+        expert parallelism passes one that returns the local part of its sharded parameters.
+        """
+        weights = (view(self.w1), view(self.w2), view(self.w3)) if view is not None else None
+        if self.use_grouped_mm:
+            return self.forward_grouped(x, counts, weights)
+        return self.forward_loop(x, counts, weights)
+
+    def forward_loop(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
+        """One matmul chain per expert: the reference path (any dtype, any device); weights: (w1, w2, w3)."""
+        w1, w2, w3 = weights or (self.w1, self.w2, self.w3)
         outs = []
         for e, chunk in enumerate(x.split(counts.tolist())):
-            h = F.silu(chunk @ self.w1[e]) * (chunk @ self.w3[e])
-            outs.append(h @ self.w2[e])
+            h = F.silu(chunk @ w1[e]) * (chunk @ w3[e])
+            outs.append(h @ w2[e])
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
-    def forward_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward_grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
         """All experts in three grouped GEMMs. bf16 needs dim and hidden to be multiples of 8 (16-byte strides)."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
+        w1, w2, w3 = weights or (self.w1, self.w2, self.w3)
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)

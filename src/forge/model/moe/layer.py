@@ -1,5 +1,7 @@
 """The MoE layer that replaces a block's dense MLP: router, routed experts, optional shared experts."""
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -10,7 +12,10 @@ from forge.model.moe.losses import load_balancing_loss, router_z_loss, sequence_
 from forge.model.moe.router import Router
 from forge.model.transformer import FeedForward
 
-AUX_LOSS_SCOPES = ("micro_batch", "sequence")
+AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global_batch")
+
+LoadReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a per-expert count tensor over the data-parallel ranks (installed by forge.parallel for global_batch)."""
 
 
 class MoE(nn.Module):
@@ -19,6 +24,8 @@ class MoE(nn.Module):
     Each forward keeps its router losses (`last_aux_loss`, `last_z_loss`, with gradient) and its expert loads, so
     the trainer reads them through `forge.model.moe.balance` without the block's signature changing.
     `dispatch` moves grouped tokens to the experts and back; expert parallelism replaces it from outside.
+    `sum_load` (None in one process) sums the expert counts over the data-parallel ranks for the global-batch
+    aux loss; the data-parallel plan installs it. Evaluation (`eval()`) always uses the local counts.
     """
 
     def __init__(self, dim: int, hidden: int, args: MoEArgs):
@@ -31,6 +38,7 @@ class MoE(nn.Module):
         # n shared SwiGLU experts of size `hidden` equal one SwiGLU of size n * hidden.
         self.shared_experts = FeedForward(dim, hidden * args.num_shared_experts) if args.num_shared_experts else None
         self.dispatch: Dispatch = local_dispatch
+        self.sum_load: LoadReduce | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.last_routed: torch.Tensor | None = None
@@ -50,6 +58,9 @@ class MoE(nn.Module):
 
         if args.aux_loss_scope == "sequence" and len(shape) == 3:
             aux = sequence_balancing_loss(routing.probs, routing.experts, args.num_experts, shape[0])
+        elif args.aux_loss_scope == "global_batch" and self.training and self.sum_load is not None:
+            counts = self.sum_load(torch.bincount(routing.experts.flatten(), minlength=args.num_experts))
+            aux = load_balancing_loss(routing.probs, routing.experts, args.num_experts, counts)
         else:
             aux = load_balancing_loss(routing.probs, routing.experts, args.num_experts)
         self.last_aux_loss = aux

@@ -3,15 +3,21 @@
 import torch
 
 
-def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balancing_loss(
+    probs: torch.Tensor, experts: torch.Tensor, num_experts: int, counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """Switch Transformer's loss: E * sum_i f_i * P_i over the given tokens.
 
     probs (T, E) normalised router scores, experts (T, k) chosen ids. f_i is the fraction of the T * k assignments
     that chose expert i (no gradient), P_i the mean probability given to expert i. A perfectly even router scores
     1.0 whatever k is; a router sending everything to one expert scores up to E.
+    `counts` (E,) replaces the assignments counted from `experts`, e.g. by those of every data-parallel rank: the
+    global-batch loss, whose mean over ranks equals the loss of all their tokens in one process.
     """
-    counts = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype)
-    fraction = counts / experts.numel()
+    if counts is None:
+        counts = torch.bincount(experts.flatten(), minlength=num_experts)
+    counts = counts.to(probs.dtype)
+    fraction = counts / counts.sum().clamp(min=1)
     return num_experts * (fraction * probs.mean(dim=0)).sum()
 
 
