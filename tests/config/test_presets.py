@@ -51,7 +51,9 @@ REQUIRED = {
 }
 
 
-@pytest.mark.parametrize("group", ["data", "optimizer", "scheduler", "train", "checkpoint", "metrics", "resilience"])
+@pytest.mark.parametrize(
+    "group", ["data", "optimizer", "loss", "scheduler", "train", "checkpoint", "metrics", "resilience"]
+)
 def test_other_group_presets(group):
     for option in options(group):
         cfg = compose([f"{group}={option}", *REQUIRED.get(option, [])])

@@ -80,6 +80,10 @@ CASES = [
         2,
         ["resilience.inject_stall_rank=2", "world size 2"],
     ),
+    (["loss=chunked_cross_entropy", "loss.chunk_size=0"], 1, ["loss.chunk_size=0"]),
+    (["loss=chunked_cross_entropy", "parallel=tp2"], 2, ["loss=chunked_cross_entropy", "parallel.tp=2"]),
+    (["loss=z_loss", "parallel=pp2", "train.micro_batch_size=4"], 2, ["loss.z_loss_weight=0.0001", "parallel.pp=2"]),
+    (["loss=chunked_cross_entropy", "vlm=joint_decoder", "data=vqa_embedded"], 1, ["not supported with a VLM"]),
 ]
 
 

@@ -85,6 +85,87 @@ class OptimizerConfig:
 
 
 @dataclass
+class LionOptimizerConfig:
+    """Lion (Chen et al. 2023): the sign of interpolated momentum; weight decay only on >=2-D weights."""
+
+    _target_: str = "forge.train.optimizers.lion.Lion"
+    _partial_: bool = True
+    lr: float = 3e-4
+    """Peak learning rate (every element moves by lr: use 3-10x less than AdamW's)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """(beta1, beta2): beta1 mixes gradient and momentum for the update's sign, beta2 is the momentum decay."""
+    weight_decay: float = 1.0
+    """Decoupled weight decay of matrices (use 3-10x AdamW's); embeddings, norms and biases get none."""
+
+
+@dataclass
+class MuonOptimizerConfig:
+    """Muon (orthogonalised momentum) for hidden matrices, AdamW for embeddings, the output head and 1-D weights."""
+
+    _target_: str = "forge.train.optimizers.muon.muon_with_adamw"
+    _partial_: bool = True
+    lr: float = 0.02
+    """Peak learning rate of the Muon matrices."""
+    momentum: float = 0.95
+    """Momentum of the Muon matrices."""
+    nesterov: bool = True
+    """Nesterov momentum for the Muon matrices."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations of the orthogonalisation."""
+    ns_bf16: bool = True
+    """Run Newton-Schulz in bf16 (as published); false runs it in fp32."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay of the Muon matrices."""
+    adamw_lr: float = 3e-4
+    """Peak learning rate of the AdamW parameters (the schedule scales both learning rates alike)."""
+    adamw_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's (beta1, beta2)."""
+    adamw_eps: float = 1e-8
+    """AdamW's epsilon."""
+    adamw_weight_decay: float = 0.0
+    """Decoupled weight decay of the AdamW matrices (the head); embeddings and 1-D parameters get none."""
+    adamw_params: list[str] = field(default_factory=lambda: ["output.weight"])
+    """Names (or name suffixes) of >=2-D parameters that take AdamW; embeddings and 1-D parameters always do."""
+
+
+@dataclass
+class ScheduleFreeOptimizerConfig:
+    """Schedule-free AdamW (Defazio et al. 2024) from the `schedulefree` package; pair with scheduler=constant."""
+
+    _target_: str = "forge.train.optimizers.schedule_free.AdamWScheduleFree"
+    _partial_: bool = True
+    lr: float = 2.5e-3
+    """Learning rate (constant: the iterate averaging replaces the decay)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """(beta1 = interpolation between the average and the fast iterate, beta2 = Adam's second moment)."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    weight_decay: float = 0.0
+    """Weight decay (evaluated at the interpolated point) of matrices; embeddings, norms and biases get none."""
+    warmup_steps: int = 0
+    """The optimizer's own linear warmup (0 when scheduler=constant already warms up)."""
+
+
+@dataclass
+class CrossEntropyLossConfig:
+    """Mean token cross-entropy of the logits, plus an optional z-loss."""
+
+    _target_: str = "forge.train.losses.CrossEntropyLoss"
+    z_loss_weight: float = 0.0
+    """Weight of PaLM's z-loss, mean(logsumexp(logits)^2) over labelled tokens (1e-4 in PaLM; 0 = off)."""
+
+
+@dataclass
+class ChunkedCrossEntropyLossConfig(CrossEntropyLossConfig):
+    """Cross-entropy with the output head applied a chunk of tokens at a time: the (tokens x vocab) logits are
+    never held at once; loss and gradients equal the plain path's."""
+
+    _target_: str = "forge.train.losses.ChunkedCrossEntropyLoss"
+    chunk_size: int = 1024
+    """Tokens (over batch x sequence) per chunk of the head and loss."""
+
+
+@dataclass
 class ConstantScheduleConfig:
     """Linear warmup, then a constant learning rate."""
 
@@ -480,6 +561,11 @@ SCHEMAS: dict[str, type] = {
     "parallel_schema": ParallelConfig,
     "embedded_data_schema": EmbeddedDataConfig,
     "optimizer_schema": OptimizerConfig,
+    "lion_optimizer_schema": LionOptimizerConfig,
+    "muon_optimizer_schema": MuonOptimizerConfig,
+    "schedule_free_optimizer_schema": ScheduleFreeOptimizerConfig,
+    "cross_entropy_loss_schema": CrossEntropyLossConfig,
+    "chunked_cross_entropy_loss_schema": ChunkedCrossEntropyLossConfig,
     "constant_schedule_schema": ConstantScheduleConfig,
     "decay_schedule_schema": DecayScheduleConfig,
     "wsd_schedule_schema": WSDScheduleConfig,

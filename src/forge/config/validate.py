@@ -206,6 +206,23 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
     )
 
 
+def validate_loss(cfg: DictConfig, degrees: Degrees) -> None:
+    """Only the text trainer without pipeline stages runs conf/loss; chunking also needs an unsplit head."""
+    loss = cfg.get("loss")
+    if loss is None:
+        return
+    chunked = "chunk_size" in loss
+    if chunked:
+        _require(loss.chunk_size >= 1, f"loss.chunk_size={loss.chunk_size} must be positive")
+    if not chunked and not loss.get("z_loss_weight"):
+        return
+    what = "loss=chunked_cross_entropy" if chunked else f"loss.z_loss_weight={loss.z_loss_weight}"
+    _require(degrees.pp == 1, f"{what} is not supported with parallel.pp={degrees.pp} (the stages use plain CE)")
+    _require(cfg.get("vlm") is None, f"{what} is not supported with a VLM (vlm is set)")
+    if chunked:
+        _require(degrees.tp == 1, f"{what} is not supported with parallel.tp={degrees.tp} (the head is split)")
+
+
 def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     """Check every rule; return the resolved parallel degrees. Raises ConfigError naming the keys."""
     if world_size is None:
@@ -218,4 +235,5 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_resilience(cfg)
     validate_fault_injection(cfg, world_size)
     validate_vlm(cfg, degrees)
+    validate_loss(cfg, degrees)
     return degrees

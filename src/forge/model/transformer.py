@@ -188,6 +188,7 @@ class Transformer(nn.Module):
         attn_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
         """tokens (batch, seq) ids -> logits (batch, seq, vocab); hidden states on a stage without a head.
 
@@ -195,6 +196,7 @@ class Transformer(nn.Module):
         cache it spans (batch, 1, seq, cached + seq).
         cache: a KVCache to read past keys/values from and append these positions to (incremental decoding).
         positions: optional (batch, seq) rotary positions; default cache.length + 0..seq-1 (0.. without a cache).
+        head: False returns the final-norm hidden states instead of logits (a chunked loss applies the head).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
@@ -212,7 +214,7 @@ class Transformer(nn.Module):
             h = block(h, cos, sin, attn_mask, cache)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and head else h
 
 
 def build_transformer(args: TransformerArgs, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:

@@ -1,5 +1,6 @@
 """Builders for the pieces of a run, each from its config group."""
 
+import inspect
 import logging
 
 import torch
@@ -39,9 +40,20 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 def build_optimizer(cfg: DictConfig, model: nn.Module):
-    optimizer = instantiate(cfg.optimizer)(param_groups(model))
+    """The optimizer and its schedule. A target whose first parameter is named `model` (Muon, which tells the
+    head from hidden matrices by name) gets the model; any other gets param_groups(model)."""
+    make = instantiate(cfg.optimizer)
+    takes_model = next(iter(inspect.signature(make.func).parameters)) == "model"
+    optimizer = make(model if takes_model else param_groups(model))
     scheduler = instantiate(cfg.scheduler)(optimizer)
     return optimizer, scheduler
+
+
+def build_loss(cfg: DictConfig):
+    """The training loss (conf/loss); plain cross-entropy when the config has no loss group."""
+    from forge.train.losses import CrossEntropyLoss
+
+    return instantiate(cfg.loss) if cfg.get("loss") is not None else CrossEntropyLoss()
 
 
 def build_corpus(cfg: DictConfig):

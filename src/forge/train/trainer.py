@@ -52,6 +52,14 @@ def evaluate(model: nn.Module, batches, device: torch.device, dtype: str) -> flo
     return (total / max(count, 1)).item()
 
 
+def set_optimizer_mode(optimizer, mode: str) -> None:
+    """Call optimizer.train() or .eval() where it has them: a schedule-free optimizer steps from one point and
+    evaluates (and saves) another."""
+    switch = getattr(optimizer, mode, None)
+    if callable(switch):
+        switch()
+
+
 class NullMetrics:
     """The metrics of ranks other than 0: only rank 0 writes metrics.jsonl and log lines."""
 
@@ -88,6 +96,8 @@ class Trainer:
 
         self.build_model_and_data()
         self.optimizer, self.scheduler = build.build_optimizer(cfg, self.model)
+        set_optimizer_mode(self.optimizer, "train")  # schedule-free: DCP's state init takes a (zero-lr) step
+        self.loss_fn = build.build_loss(cfg)
         self.loader = build.build_loader(cfg, self.corpus, self.dp_rank, self.dp_size)
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * self.dp_size)
         self.tokens_per_step = train.global_batch_size * train.seq_len
@@ -153,7 +163,9 @@ class Trainer:
         return RunState()
 
     def save_checkpoint(self) -> None:
+        set_optimizer_mode(self.optimizer, "eval")  # schedule-free: save the averaged weights
         self.checkpointer.save(self.state.step, self.model, self.optimizer, self.scheduler, self.loader, self.state)
+        set_optimizer_mode(self.optimizer, "train")
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) as tensors."""
@@ -192,8 +204,7 @@ class Trainer:
         """The mean token loss of one micro-batch (with autograd)."""
         inputs, labels, attn_mask = batch_to_device(batch, self.device)
         with autocast(self.device, self.dtype):
-            logits = self.model(inputs, attn_mask=attn_mask)
-        return cross_entropy(logits, labels)
+            return self.loss_fn(self.model, inputs, labels, attn_mask)  # conf/loss
 
     def skip_step(self) -> None:
         """Consume a step's batches without training on them (rolled-back offending batches)."""
@@ -207,9 +218,11 @@ class Trainer:
             raise RuntimeError(f"step {bad_step} needs a rollback but no checkpoint has been written yet")
         self.optimizer.zero_grad(set_to_none=True)
         self.state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.loader)
+        set_optimizer_mode(self.optimizer, "train")
 
     def evaluate(self) -> float:
         train = self.cfg.train
+        set_optimizer_mode(self.optimizer, "eval")  # schedule-free: evaluate the averaged weights
         eos = build.document_eos(self.cfg, self.corpus)
         batches = eval_batches(
             self.val_windows, train.micro_batch_size, train.eval_batches, self.dp_rank, self.dp_size, eos
@@ -218,6 +231,7 @@ class Trainer:
             val_loss = self.evaluate_pipeline(batches)
         else:
             val_loss = torch.tensor(evaluate(self.model, batches, self.device, self.dtype), device=self.device)
+        set_optimizer_mode(self.optimizer, "train")
         return mean_over_dp(val_loss, self.mesh).item()
 
     def evaluate_pipeline(self, batches) -> torch.Tensor:
@@ -303,6 +317,7 @@ class Trainer:
                 self.preempted = True
                 break
         self.checkpointer.wait()
+        set_optimizer_mode(self.optimizer, "eval")  # leave the model at the weights that were evaluated and saved
         wall = time.perf_counter() - start
         self.metrics.close()
         summary = {

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Tokens/s and MFU on one GPU (prepared for an H200), a few minutes in all, one table at the end:
+#   1. a ~1B dense Llama (conf/model/llama3_1b.yaml), bf16 + per-block torch.compile
+#   2. the same with float8 linear layers (parallel.fp8=true, needs torchao; skipped without it)
+#   3. a small DeepSeek-V3-style MoE (conf/model/deepseek_v3_small.yaml), bf16, eager
+#   4. (CHUNKED=1) row 1 with loss=chunked_cross_entropy: the 128k-vocab logits never held at once
+# First, the trainer's GPU health check (forge.resilience.health.check_device) on the GPU; CUDA or it stops.
+#
+#   make install-dev            # then a CUDA build of torch, e.g. pip install torch --index-url <CUDA wheel index>
+#   bash benchmarks/gpu.sh      # DRY_RUN=1 only composes each command (--cfg job): a CPU check of the script
+#
+# Environment: PYTHON (.venv/bin/python), OUT_DIR (outputs/gpu_bench/<time>), STEPS (40), PEAK_TFLOPS (989, the
+# H200's dense bf16 peak; MFU of the fp8 run is against it too), SEQ (2048), MICRO (8 sequences per step),
+# RUN_TIMEOUT (420 s per run), CHUNKED (0).
+# Each run logs every 10 steps to <run dir>/metrics.jsonl; the table averages the records after the first (the
+# first interval holds compilation and warm-up). MFU = FLOPs/token (forge.metrics.flops) x tokens/s / peak.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-.venv/bin/python}
+OUT=${OUT_DIR:-outputs/gpu_bench/$(date +%Y%m%d-%H%M%S)}
+STEPS=${STEPS:-40}
+PEAK=${PEAK_TFLOPS:-989}
+SEQ=${SEQ:-2048}
+MICRO=${MICRO:-8}
+DRY_RUN=${DRY_RUN:-0}
+mkdir -p "$OUT"
+
+if [ "$DRY_RUN" != 1 ]; then
+    "$PY" - <<'EOF' || exit 1
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit("benchmarks/gpu.sh needs a CUDA build of torch and a visible GPU")
+props = torch.cuda.get_device_properties(0)
+print(f"torch {torch.__version__}, {props.name}, {props.total_memory / 2**30:.0f} GiB, capability {props.major}.{props.minor}")
+
+from forge.resilience.health import check_device  # the trainer's start-up check, on this GPU
+
+check_device(torch.device("cuda", 0))
+print("GPU health check passed (32 MiB read back, 256x256 matmul equal to the CPU's)")
+EOF
+fi
+
+COMMON=(
+    train.device=cuda train.dtype=bf16 "train.steps=$STEPS" train.log_every=10 train.eval_every=0
+    train.eval_batches=1 "train.seq_len=$SEQ" "train.micro_batch_size=$MICRO" "train.global_batch_size=$MICRO"
+    scheduler.warmup_steps=5 checkpoint.interval=0 "metrics.peak_tflops=$PEAK" metrics.console=line
+)
+DENSE=(model=llama3_1b parallel.compile=true)
+RUNS=()
+
+run() {
+    local name=$1
+    shift
+    local args=("$@" "${COMMON[@]}" "hydra.run.dir=$OUT/$name")
+    echo "=== $name: $PY -m forge.train ${args[*]}"
+    if [ "$DRY_RUN" = 1 ]; then
+        "$PY" -m forge.train "${args[@]}" --cfg job >"$OUT/$name.cfg.yaml" 2>"$OUT/$name.log"
+        local code=$?
+        echo "    composed: exit $code ($OUT/$name.cfg.yaml)"
+        return $code
+    fi
+    local start=$SECONDS
+    timeout "${RUN_TIMEOUT:-420}" "$PY" -m forge.train "${args[@]}" >"$OUT/$name.log" 2>&1
+    local code=$?
+    echo "$code" >"$OUT/$name.exit"
+    echo "    exit $code after $((SECONDS - start)) s (log: $OUT/$name.log)"
+    tail -n 3 "$OUT/$name.log" | sed 's/^/    | /'
+    RUNS+=("$name")
+}
+
+failed=0
+run dense_bf16_compile "${DENSE[@]}" || failed=1
+if [ "$DRY_RUN" = 1 ] || "$PY" -c "import torchao" 2>/dev/null; then
+    run dense_fp8_compile "${DENSE[@]}" parallel.fp8=true || failed=1
+else
+    echo "=== dense_fp8_compile: skipped, torchao is not installed (pip install torchao)"
+fi
+run moe_bf16 model=deepseek_v3_small || failed=1
+if [ "${CHUNKED:-0}" = 1 ]; then
+    run dense_bf16_compile_chunked_ce "${DENSE[@]}" loss=chunked_cross_entropy loss.chunk_size=4096 || failed=1
+fi
+if [ "$DRY_RUN" = 1 ]; then
+    exit $failed
+fi
+
+"$PY" - "$OUT" "${RUNS[@]}" <<'EOF'
+import json
+import statistics
+import sys
+from pathlib import Path
+
+out, names = Path(sys.argv[1]), sys.argv[2:]
+print(f"\n| run | exit | params | tokens/s | TFLOP/s | MFU | peak mem (GiB) |  ({out})")
+print("|---|---|---|---|---|---|---|")
+for name in names:
+    code = (out / f"{name}.exit").read_text().strip()
+    path = out / name / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    steps = [r for r in records if "tokens_per_s" in r][1:]
+    params = next((line.split("model ")[1].split(" parameters")[0] for line in
+                   (out / f"{name}.log").read_text().splitlines() if " parameters |" in line), "?")
+    if not steps:
+        print(f"| {name} | {code} | {params} | - | - | - | - |")
+        continue
+    mean = lambda key: statistics.mean(r[key] for r in steps if key in r) if any(key in r for r in steps) else float("nan")  # noqa: E731
+    print(
+        f"| {name} | {code} | {params} | {mean('tokens_per_s'):,.0f} | {mean('tflops_per_device'):.0f} | "
+        f"{100 * mean('mfu'):.1f}% | {max(r.get('mem_peak_gib', 0.0) for r in steps):.1f} |"
+    )
+EOF
+exit $failed

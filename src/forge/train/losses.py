@@ -1,0 +1,148 @@
+"""Training losses (conf/loss): token cross-entropy, plain or chunked, each with an optional PaLM z-loss.
+
+A loss is called as `loss(model, inputs, labels, attn_mask)` inside the trainer's autocast and returns the scalar
+to backpropagate. Labels of -100 are ignored; every mean is over the labelled tokens.
+
+z-loss (PaLM, Chowdhery et al. 2022): z_loss_weight * mean(logsumexp(logits)^2) keeps the softmax normaliser
+near 1 (log Z near 0), which stabilises bf16 training of large vocabularies.
+
+Chunked cross-entropy never holds the (tokens x vocab) logits at once: the model returns its final hidden
+states, and the output projection, softmax and gradients are computed chunk by chunk of tokens. The gradients
+with respect to the hidden states and the head's weight are computed during the forward pass (the backward
+only scales them), so the head costs the same matmuls as the plain path while the peak memory of the head
+drops from several (tokens x vocab) fp32 tensors to two of (chunk x vocab).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 (labels of -100 are ignored)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def z_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean of logsumexp(logits)^2 over the labelled tokens (PaLM's z-loss, unweighted)."""
+    valid = (labels != IGNORE_INDEX).flatten()
+    lse = torch.logsumexp(logits.float().flatten(0, 1), dim=-1)
+    return (lse.square() * valid).sum() / valid.sum().clamp(min=1)
+
+
+class CrossEntropyLoss:
+    """Cross-entropy of the model's logits, plus z_loss_weight * z-loss."""
+
+    def __init__(self, z_loss_weight: float = 0.0):
+        self.z_loss_weight = z_loss_weight
+
+    def __call__(
+        self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        logits = model(inputs, attn_mask=attn_mask)
+        loss = cross_entropy(logits, labels)
+        if self.z_loss_weight:
+            loss = loss + self.z_loss_weight * z_loss(logits, labels)
+        return loss
+
+
+class ChunkedCrossEntropyLoss(CrossEntropyLoss):
+    """The same loss (and gradients) as CrossEntropyLoss, with the head applied `chunk_size` tokens at a time.
+
+    Needs a model whose forward takes `head=False` and whose head is `model.output` without a bias (forge's
+    Transformer, also under FSDP: the root module keeps its parameters gathered from forward to backward).
+    """
+
+    def __init__(self, chunk_size: int = 1024, z_loss_weight: float = 0.0):
+        super().__init__(z_loss_weight)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size} must be positive")
+        self.chunk_size = chunk_size
+
+    def __call__(
+        self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden = model(inputs, attn_mask=attn_mask, head=False)
+        head = model.output
+        if head.bias is not None:
+            raise NotImplementedError("chunked cross-entropy needs an output head without a bias")
+        return linear_cross_entropy(
+            hidden.flatten(0, 1), head.weight, labels.flatten(), self.chunk_size, self.z_loss_weight
+        )
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, z_loss_weight: float = 0.0
+) -> torch.Tensor:
+    """Mean over labelled tokens of CE(hidden @ weight.T, labels) + z_loss_weight * logsumexp^2, in chunks.
+
+    hidden (tokens, dim), weight (vocab, dim), labels (tokens,). Differentiable in hidden and weight.
+    """
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, z_loss_weight)
+    return _chunked_loss(hidden, weight, labels, chunk_size, z_loss_weight, None)
+
+
+def _chunked_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    z_loss_weight: float,
+    grads: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """The loss; when `grads` = (grad_hidden, grad_weight fp32) is given, also fills in the loss's gradients."""
+    valid_all = labels != IGNORE_INDEX
+    count = valid_all.sum().clamp(min=1)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = start + chunk_size
+        h, valid = hidden[start:end], valid_all[start:end]
+        targets = labels[start:end].clamp(min=0)[:, None]
+        logits = F.linear(h, weight).float()  # under autocast: a bf16 matmul, as in the plain path
+        log_probs = torch.log_softmax(logits, dim=-1)
+        target_log_prob = log_probs.gather(1, targets).squeeze(1)
+        per_token = -target_log_prob
+        if z_loss_weight:
+            lse = logits.gather(1, targets).squeeze(1) - target_log_prob  # log Z = logit - log p, any column
+            per_token = per_token + z_loss_weight * lse.square()
+        total = total + (per_token * valid).sum()
+        if grads is None:
+            continue
+        del logits
+        grad_hidden, grad_weight = grads
+        # d/dlogits of -log p[y] + w lse^2 = a * (softmax - onehot(y) / (1 + 2 w lse)) with the row factor
+        # a = 1 + 2 w lse (1 without z-loss); a and the 1/count mean scale the small matmul operands instead of
+        # the (chunk x vocab) block, which is touched only by the exp and one scatter.
+        row = valid / count
+        dlogits = log_probs.exp_()
+        if z_loss_weight:
+            factor = 1 + 2 * z_loss_weight * lse
+            dlogits.scatter_add_(1, targets, -(1 / factor)[:, None])
+            row = row * factor
+        else:
+            dlogits.scatter_add_(1, targets, -torch.ones_like(row)[:, None])
+        row = row[:, None]
+        grad_hidden[start:end] = ((dlogits @ weight) * row).to(grad_hidden.dtype)
+        grad_weight += (dlogits.mT @ (h * row)).float()
+    return total / count
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Chunked linear + cross-entropy whose gradients are computed in the forward pass (no logits are saved)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size, z_loss_weight):
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        loss = _chunked_loss(hidden, weight, labels, chunk_size, z_loss_weight, (grad_hidden, grad_weight))
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None
