@@ -39,27 +39,38 @@ def test_sigterm_checkpoints_exits_75_and_resumes_bitwise(tmp_path, reference):
 
 
 def test_random_sigkills_never_load_a_partial_checkpoint(tmp_path, reference):
-    """SIGKILL at random moments (inside steps and inside checkpoint writes), resume, repeat; same curve."""
+    """SIGKILL at random moments (inside steps and inside checkpoint writes), resume, repeat; same curve.
+
+    FORGE_FAULT_KILLS=N sets the number of kills; the run grows to N + 2 steps so every kill lands after fresh
+    progress (e.g. FORGE_FAULT_KILLS=300 for a soak)."""
     kills = int(os.environ.get("FORGE_FAULT_KILLS", "3"))
+    steps = max(16, kills + 2)
+    longer = [f"train.steps={steps}"]
+    expected = reference
+    if steps != 16:
+        code, out = train(tmp_path / "reference", *longer)
+        assert code == 0, out
+        expected = losses(tmp_path / "reference")
+    run = tmp_path / "run"
     rng = random.Random(1234)
     survived = 0
     for _ in range(kills):
-        done = max(losses(tmp_path), default=0)
-        if done >= 15:
+        done = max(losses(run), default=0)
+        if done >= steps - 1:
             break
-        proc = start(tmp_path)  # after the check: a run left going would race the final one for the last save
-        wait_for_step(proc, tmp_path, rng.randint(done + 1, 15))
+        proc = start(run, *longer)  # after the check: a run left going would race the final one for the last save
+        wait_for_step(proc, run, rng.randint(done + 1, steps - 1))
         time.sleep(rng.uniform(0.0, 0.3))  # lands inside a step or inside a checkpoint write
         kill(proc)
         proc.wait()
         survived += 1
-        for ckpt in complete_checkpoints(tmp_path / "checkpoints"):
+        for ckpt in complete_checkpoints(run / "checkpoints"):
             assert (ckpt / ".metadata").is_file() and (ckpt / "extra-rank0.pt").is_file()
-    code, out = train(tmp_path)
+    code, out = train(run, *longer)
     assert code == 0, out
     assert "resumed from" in out
     print(f"survived {survived} random SIGKILLs with an identical loss curve")
-    assert losses(tmp_path) == reference
+    assert losses(run) == expected
 
 
 @pytest.mark.parametrize("policy", ["skip", "rollback"])
