@@ -7,6 +7,7 @@ Each frame becomes `connector` tokens; tokens of padded frames are zeroed and ne
 """
 
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -56,8 +57,6 @@ class VisionLanguageModel(nn.Module):
         if strategy_options:
             raise TypeError(f"{type(self).__name__} takes no option(s) {', '.join(sorted(strategy_options))}")
         if encoder_path is None:
-            from pathlib import Path
-
             encoder_path = str(build_tiny_encoder(Path(cache_dir).expanduser() / "vlm" / f"{encoder_kind}-tiny"))
         self.encoder_path = encoder_path
         self.text_args = text
@@ -146,8 +145,39 @@ class VisionLanguageModel(nn.Module):
         valid = frame_mask.repeat_interleave(per_frame, dim=1)
         return tokens * valid[..., None].to(tokens.dtype), valid
 
+    def init_stds(self) -> tuple[float, float]:
+        """(std, out_std) of the decoder's init, for strategy layers shaped like its blocks."""
+        args = self.text_args
+        out_std = args.init_std / math.sqrt(2 * args.n_layers) if args.depth_init else args.init_std
+        return args.init_std, out_std
+
     def rope(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decoder.rope_cos[:seq], self.decoder.rope_sin[:seq]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.decoder.output(self.decoder.norm(h))
+
+
+class PrefixVLM(VisionLanguageModel):
+    """Strategies that run [visual tokens; text] as one sequence through the layers (joint decoder, MoT, MoMa):
+    subclasses give `run_block`; logits come from the text positions only."""
+
+    def run_block(self, key: str, block, h, n_visual: int, valid, cos, sin, mask) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        pixels: torch.Tensor,
+        frame_mask: torch.Tensor,
+        frame_times: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        visual, valid = self.encode_media(pixels, frame_mask, frame_times)
+        text = self.decoder.tok_embeddings(tokens)
+        n_visual = visual.shape[1]
+        h = torch.cat([visual.to(text.dtype), text], dim=1)
+        mask = causal_key_mask(torch.cat([valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1))
+        cos, sin = self.rope(h.shape[1])
+        for key, block in self.decoder.layers.items():
+            h = self.run_block(key, block, h, n_visual, valid, cos, sin, mask)
+        return self.head(h[:, n_visual:])

@@ -15,7 +15,7 @@ from torch import nn
 
 from forge.model.args import TransformerArgs
 from forge.model.transformer import FeedForward, TransformerBlock
-from forge.model.vlm.base import VisionLanguageModel, causal_key_mask
+from forge.model.vlm.base import PrefixVLM
 
 
 class ExpertChoiceGroup(nn.Module):
@@ -57,7 +57,7 @@ class MoMaLayer(nn.Module):
         self.image = ExpertChoiceGroup(args.dim, args.hidden_dim, image_experts, 0, capacity_factor)
 
 
-class MoMaVLM(VisionLanguageModel):
+class MoMaVLM(PrefixVLM):
     """Visual tokens then text through shared attention; FFNs replaced by per-modality expert-choice groups."""
 
     def __init__(
@@ -86,33 +86,16 @@ class MoMaVLM(VisionLanguageModel):
         return units
 
     def init_extra_weights(self) -> None:
-        args = self.text_args
-        out_std = args.init_std / math.sqrt(2 * args.n_layers) if args.depth_init else args.init_std
+        std, out_std = self.init_stds()
         for layer in self.moma_layers.values():
-            layer.text.init_weights(args.init_std, out_std)
-            layer.image.init_weights(args.init_std, out_std)
+            layer.text.init_weights(std, out_std)
+            layer.image.init_weights(std, out_std)
 
-    def block(self, block: TransformerBlock, layer: MoMaLayer, h, n_visual, valid, cos, sin, mask) -> torch.Tensor:
+    def run_block(self, key: str, block: TransformerBlock, h, n_visual: int, valid, cos, sin, mask) -> torch.Tensor:
+        layer = self.moma_layers[key]
         h = h + block.attention(block.attention_norm(h), cos, sin, mask, layer_id=block.layer_id)
         x = block.ffn_norm(h)
         text_valid = torch.ones(x.shape[0], x.shape[1] - n_visual, dtype=torch.bool, device=x.device)
         fv = layer.image(x[:, :n_visual], valid, [])
         ft = layer.text(x[:, n_visual:], text_valid, [block.feed_forward])
         return h + torch.cat([fv, ft], dim=1)
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        pixels: torch.Tensor,
-        frame_mask: torch.Tensor,
-        frame_times: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        visual, valid = self.encode_media(pixels, frame_mask, frame_times)
-        text = self.decoder.tok_embeddings(tokens)
-        n_visual = visual.shape[1]
-        h = torch.cat([visual.to(text.dtype), text], dim=1)
-        mask = causal_key_mask(torch.cat([valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1))
-        cos, sin = self.rope(h.shape[1])
-        for key, block in self.decoder.layers.items():
-            h = self.block(block, self.moma_layers[key], h, n_visual, valid, cos, sin, mask)
-        return self.head(h[:, n_visual:])

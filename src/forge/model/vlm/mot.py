@@ -7,7 +7,7 @@ from torch import nn
 
 from forge.model.args import TransformerArgs
 from forge.model.transformer import TransformerBlock, _rotate
-from forge.model.vlm.base import VisionLanguageModel, causal_key_mask
+from forge.model.vlm.base import PrefixVLM
 
 
 def mot_block(
@@ -41,7 +41,7 @@ def mot_block(
     return h + torch.cat([fv, ft], dim=1)
 
 
-class MoTVLM(VisionLanguageModel):
+class MoTVLM(PrefixVLM):
     """The decoder's blocks serve the text tokens; `image_layers` (same shapes) serve the visual tokens."""
 
     def __init__(self, text: TransformerArgs, **kwargs):
@@ -58,26 +58,9 @@ class MoTVLM(VisionLanguageModel):
         return units
 
     def init_extra_weights(self) -> None:
-        import math
-
-        args = self.text_args
-        out_std = args.init_std / math.sqrt(2 * args.n_layers) if args.depth_init else args.init_std
+        std, out_std = self.init_stds()
         for block in self.image_layers.values():
-            block.init_weights(args.init_std, out_std)
+            block.init_weights(std, out_std)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        pixels: torch.Tensor,
-        frame_mask: torch.Tensor,
-        frame_times: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        visual, valid = self.encode_media(pixels, frame_mask, frame_times)
-        text = self.decoder.tok_embeddings(tokens)
-        n_visual = visual.shape[1]
-        h = torch.cat([visual.to(text.dtype), text], dim=1)
-        mask = causal_key_mask(torch.cat([valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1))
-        cos, sin = self.rope(h.shape[1])
-        for key, block in self.decoder.layers.items():
-            h = mot_block(block, self.image_layers[key], h, n_visual, cos, sin, mask)
-        return self.head(h[:, n_visual:])
+    def run_block(self, key: str, block, h, n_visual: int, valid, cos, sin, mask) -> torch.Tensor:
+        return mot_block(block, self.image_layers[key], h, n_visual, cos, sin, mask)
