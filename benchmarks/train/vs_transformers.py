@@ -1,9 +1,11 @@
 """Training tokens/s of forge's decoder against transformers' LlamaForCausalLM, same shape and batch, one run.
 
     .venv/bin/python benchmarks/train/vs_transformers.py [--dim 256 --layers 4 --seq 256 --batch 8 --dtype auto]
+        [--compile]
 
 Both models take the same AdamW steps on the same random tokens; steps alternate between the two so machine noise
-hits both alike. Prints tokens/s of each and the ratio.
+hits both alike. Prints tokens/s of each and the ratio. With --compile a third contender runs: forge with the
+trainer's per-block torch.compile (parallel.compile=true), against the same eager transformers model.
 """
 
 import argparse
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from forge.model import TransformerArgs, build_transformer
+from forge.parallel.plan import apply_compile
 from forge.train.precision import autocast, resolve_dtype
 
 
@@ -39,19 +42,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--compile", action="store_true", help="also time forge with per-block torch.compile")
     opts = parser.parse_args()
     dtype = resolve_dtype(opts.dtype, torch.device("cpu"))
     ffn = 4 * opts.dim
-    ours = build_transformer(
-        TransformerArgs(
-            dim=opts.dim,
-            n_layers=opts.layers,
-            n_heads=opts.heads,
-            vocab_size=opts.vocab,
-            ffn_dim=ffn,
-            max_seq_len=opts.seq,
-        )
+    args = TransformerArgs(
+        dim=opts.dim, n_layers=opts.layers, n_heads=opts.heads, vocab_size=opts.vocab, ffn_dim=ffn, max_seq_len=opts.seq
     )
+    ours = build_transformer(args)
     hf = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=opts.vocab,
@@ -70,8 +68,14 @@ def main() -> None:
             hf, lambda m, x: m(x).logits, torch.optim.AdamW(hf.parameters(), lr=1e-4), tokens, dtype
         ),
     }
+    if opts.compile:
+        compiled = build_transformer(args)
+        apply_compile(compiled)
+        runs["forge compiled"] = step_fn(
+            compiled, lambda m, x: m(x), torch.optim.AdamW(compiled.parameters(), lr=1e-4), tokens, dtype
+        )
     for step in runs.values():
-        step()  # warm-up
+        step()  # warm-up (and compilation)
     seconds = dict.fromkeys(runs, 0.0)
     for _ in range(opts.steps):
         for name, step in runs.items():
@@ -88,7 +92,9 @@ def main() -> None:
     print("|---|---|")
     for name, value in rate.items():
         print(f"| {name} | {value:,.0f} |")
-    print(f"forge / transformers: {rate['forge'] / rate['transformers']:.2f}x")
+    for name in runs:
+        if name != "transformers":
+            print(f"{name} / transformers: {rate[name] / rate['transformers']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -43,4 +43,3 @@ def test_a_wrong_read_back_is_reported(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "sum", lambda t, *a, **k: real(t, *a, **k) - 1)  # one bad word
     with pytest.raises(DeviceUnhealthyError, match="wrong sum from a 32 MiB block"):
         check_device(torch.device("cpu"))
-

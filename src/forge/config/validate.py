@@ -1,11 +1,17 @@
 """One pass over the composed config that rejects impossible combinations before anything is allocated."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
 from omegaconf import DictConfig
 
 from forge.config.errors import ConfigError
-from forge.parallel.degrees import Degrees, resolve_degrees
 from forge.parallel.env import read_dist_env
+
+if TYPE_CHECKING:
+    from forge.parallel.degrees import Degrees
 
 DTYPES = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
@@ -225,6 +231,10 @@ def validate_loss(cfg: DictConfig, degrees: Degrees) -> None:
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     """Check every rule; return the resolved parallel degrees. Raises ConfigError naming the keys."""
+    # Imported here: forge.parallel.degrees imports forge.config (for ConfigError), so a module-level import would
+    # make `import forge.parallel.plan` before `import forge.config` a circular import.
+    from forge.parallel.degrees import resolve_degrees
+
     if world_size is None:
         world_size = cfg.parallel.world_size or read_dist_env().world_size
     validate_model(cfg.model)
