@@ -10,13 +10,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import forge
 from forge.config import compose
 from forge.train.trainer import Trainer
+from tests.tiny import TINY_MODEL
 
 TINY = [
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=128",
+    *TINY_MODEL,
     "train.seq_len=32",
     "train.global_batch_size=4",
     "train.micro_batch_size=4",

@@ -12,13 +12,10 @@ import time
 from pathlib import Path
 
 from tests.conftest import ROOT
+from tests.tiny import TINY_MODEL
 
 RUN = [
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=128",
+    *TINY_MODEL,
     "train.seq_len=32",
     "train.global_batch_size=4",
     "train.micro_batch_size=2",

@@ -93,18 +93,49 @@ def test_rollback_curve_equals_skip_curve(tmp_path):
     assert [skip[s] for s in range(8, 17)] == [rollback[s] for s in range(8, 17)]
 
 
-def test_nan_raise_policy_fails_loudly(tmp_path):
-    code, out = train(tmp_path, "resilience.inject_nan_at_step=3", "resilience.nonfinite_policy=raise")
+def mlflow_status(run_dir, monkeypatch) -> str:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as forge's tracker sets for file stores
+
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    return run.info.status
+
+
+def wandb_exit_code(run_dir) -> int | None:
+    """The exit code in the offline run file's exit record, or None when the run was never finished."""
+    from tests.metrics.wandb_records import read_records
+
+    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    exits = [r.exit.exit_code for r in read_records(path) if r.WhichOneof("record_type") == "exit"]
+    return exits[-1] if exits else None
+
+
+def test_nan_raise_policy_fails_loudly(tmp_path, monkeypatch):
+    code, out = train(
+        tmp_path, "resilience.inject_nan_at_step=3", "resilience.nonfinite_policy=raise", "metrics.trackers=[mlflow]"
+    )
     assert code != 0
     assert "NonFiniteError" in out and "step 3" in out
+    assert mlflow_status(tmp_path, monkeypatch) == "FAILED"  # not left RUNNING by the crash
 
 
-def test_stalled_step_is_ended_by_the_watchdog(tmp_path):
+def test_stalled_step_is_ended_by_the_watchdog(tmp_path, monkeypatch):
     code, out = train(
-        tmp_path, "resilience.inject_stall_at_step=6", "resilience.watchdog_factor=10", "resilience.watchdog_min_s=3"
+        tmp_path,
+        "resilience.inject_stall_at_step=6",
+        "resilience.watchdog_factor=10",
+        "resilience.watchdog_min_s=3",
+        "metrics.trackers=[mlflow,wandb]",
     )
     assert code == EXIT_HUNG, out
     assert "watchdog: step 6 has run" in out and "in _inject_stall" in out  # where the main thread hangs
+    # The hard exit still ends the tracker runs, as failed with the watchdog's code.
+    assert mlflow_status(tmp_path, monkeypatch) == "FAILED"
+    assert wandb_exit_code(tmp_path) == EXIT_HUNG
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
 
 
 def test_full_disk_keeps_the_previous_checkpoint(tmp_path, reference):

@@ -57,7 +57,13 @@ def test_cpu_peak_is_measured_once_then_cached(tmp_path, monkeypatch):
     assert calls == ["fp32"]
     cache = json.loads((tmp_path / "peak_flops.json").read_text())
     (key,) = cache
-    assert key.endswith(f"|fp32|threads={torch.get_num_threads()}")
+    assert key.endswith(f"|fp32|threads={torch.get_num_threads()}|v2")
+
+
+def test_measured_size_stops_where_a_product_gets_slow(monkeypatch):
+    """fp32 on this CPU grows past the smallest size; a budget no product meets keeps the smallest."""
+    assert peak_module.matmul_size_for(torch.device("cpu"), "fp32", largest=1024, budget_s=10.0) == 1024
+    assert peak_module.matmul_size_for(torch.device("cpu"), "fp32", largest=1024, budget_s=0.0) == 256
 
 
 def test_real_matmul_measurement_is_plausible():

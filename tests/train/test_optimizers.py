@@ -15,13 +15,10 @@ from forge.train.optimizers.lion import Lion
 from forge.train.optimizers.muon import Muon, muon_with_adamw
 from forge.train.optimizers.schedule_free import AdamWScheduleFree
 from forge.train.trainer import Trainer
+from tests.tiny import TINY_MODEL
 
 TINY = [
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=128",
+    *TINY_MODEL,
     "train.seq_len=32",
     "train.global_batch_size=8",
     "train.micro_batch_size=8",

@@ -5,13 +5,10 @@ from pathlib import Path
 
 from forge.config import compose
 from forge.train.vlm_trainer import VLMTrainer
+from tests.tiny import TINY_MODEL
 
 TINY = [
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=128",
+    *TINY_MODEL,
     "train.seq_len=12",
     "train.global_batch_size=8",
     "train.micro_batch_size=8",

@@ -4,6 +4,7 @@ import numpy as np
 import torch
 
 from forge.data.documents import document_ids, mask_boundary_labels
+from forge.data.order import EpochOrder
 
 
 def split_sample(samples: torch.Tensor, document_eos: int | None):
@@ -68,24 +69,20 @@ class BatchLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.document_eos = document_eos
-        self.epoch = 0
-        self.cursor = 0
-        self._order = self._permutation(0)
+        self.position = EpochOrder(len(windows), [seed])
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+    @property
+    def epoch(self) -> int:
+        return self.position.epoch
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
         """(inputs, labels), each (micro_batch, seq_len) int64, plus doc_ids with document masking."""
-        span = self.micro_batch * self.dp_size
-        step_starts = self.cursor % self.global_batch == 0
-        if step_starts and self.cursor + self.global_batch > len(self.windows):
-            self.epoch += 1
-            self.cursor = 0
-            self._order = self._permutation(self.epoch)
-        start = self.cursor + self.dp_rank * self.micro_batch
-        indices = self._order[start : start + self.micro_batch]
-        self.cursor += span
+        position = self.position
+        if position.cursor % self.global_batch == 0 and position.cursor + self.global_batch > len(self.windows):
+            position.next_epoch()  # only between optimizer steps: the tail that cannot fill one is skipped
+        start = position.cursor + self.dp_rank * self.micro_batch
+        indices = position.order[start : start + self.micro_batch]
+        position.cursor += self.micro_batch * self.dp_size
         samples = torch.from_numpy(np.stack([self.windows[int(i)] for i in indices]))
         return split_sample(samples, self.document_eos)
 
@@ -94,13 +91,12 @@ class BatchLoader:
         return {}
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed}
+        return {"epoch": self.position.epoch, "cursor": self.position.cursor, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed:
             raise ValueError(f"loader state was saved with seed {state['seed']}, this run uses {self.seed}")
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._order = self._permutation(self.epoch)
+        self.position.seek(state["epoch"], state["cursor"])
 
 
 def eval_batches(

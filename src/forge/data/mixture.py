@@ -14,6 +14,7 @@ import torch
 
 from forge.data.loader import TokenWindows, split_sample
 from forge.data.memmap import MemmapCorpus, TokenSpan
+from forge.data.order import EpochOrder
 from forge.data.sources import DataError
 
 BLOCK = 4096
@@ -55,9 +56,10 @@ class MixtureLoader:
             merged = {**weights, **phase.get("weights", {})}
             self.phases.append(self._phase(phase["start_step"], merged, phase.get("lr_scale", 1.0), temperature))
         self.samples = 0
-        self.cursors = {name: [0, 0] for name in self.names}
+        self.orders = {
+            name: EpochOrder(len(self.windows[name]), [seed, zlib.crc32(name.encode())]) for name in self.names
+        }
         self.seen = dict.fromkeys(self.names, 0)
-        self._orders: dict[str, tuple[int, np.ndarray]] = {}
         self._block: tuple[int, np.ndarray] | None = None
 
     def _phase(self, start: int, weights: dict[str, float], lr_scale: float, temperature: float) -> dict:
@@ -86,18 +88,6 @@ class MixtureLoader:
             self._block = (n // BLOCK, np.random.default_rng([self.seed, n // BLOCK]).random(BLOCK))
         return float(self._block[1][n % BLOCK])
 
-    def _next_index(self, name: str) -> int:
-        epoch, cursor = self.cursors[name]
-        size = len(self.windows[name])
-        if cursor == size:
-            epoch, cursor = epoch + 1, 0
-        cached = self._orders.get(name)
-        if cached is None or cached[0] != epoch:
-            rng = np.random.default_rng([self.seed, zlib.crc32(name.encode()), epoch])
-            self._orders[name] = cached = (epoch, rng.permutation(size))
-        self.cursors[name] = [epoch, cursor + 1]
-        return int(cached[1][cursor])
-
     def next_batch(self) -> tuple[torch.Tensor, ...]:
         """This rank's slice of the next micro_batch * dp_size global samples."""
         span = self.micro_batch * self.dp_size
@@ -107,7 +97,7 @@ class MixtureLoader:
             n = self.samples + offset
             cdf = self._phase_at(n // self.global_batch)["cdf"]
             source = self.names[min(int(np.searchsorted(cdf, self._uniform(n), side="right")), len(self.names) - 1)]
-            index = self._next_index(source)
+            index = self.orders[source].next_index()
             self.seen[source] += 1
             if offset in mine:
                 rows.append(self.windows[source][index])
@@ -122,7 +112,7 @@ class MixtureLoader:
     def state_dict(self) -> dict:
         return {
             "samples": self.samples,
-            "cursors": {n: list(c) for n, c in self.cursors.items()},
+            "cursors": {n: [o.epoch, o.cursor] for n, o in self.orders.items()},
             "seen": dict(self.seen),
             "seed": self.seed,
             "global_batch": self.global_batch,
@@ -140,7 +130,8 @@ class MixtureLoader:
         if sorted(state["cursors"]) != sorted(self.names):
             raise ValueError(f"loader state has sources {sorted(state['cursors'])}, this run has {sorted(self.names)}")
         self.samples = int(state["samples"])
-        self.cursors = {n: [int(e), int(c)] for n, (e, c) in state["cursors"].items()}
+        for name, (epoch, cursor) in state["cursors"].items():
+            self.orders[name].seek(epoch, cursor)
         self.seen = {n: int(v) for n, v in state["seen"].items()}
 
 

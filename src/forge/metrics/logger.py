@@ -113,7 +113,10 @@ class MetricsLogger:
         if self.console == "line":
             log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, val_ppl)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Close metrics.jsonl and end every tracker's run (failed when exit_code is not 0); idempotent."""
+        if self._file.closed:
+            return
         self._file.close()
         for tracker in self.trackers:
-            tracker.close()
+            tracker.close(exit_code)

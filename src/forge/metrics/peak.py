@@ -93,9 +93,26 @@ def measure_matmul_flops(device: torch.device, dtype: str, size: int = 1024, sec
     return best
 
 
+def matmul_size_for(device: torch.device, dtype: str, largest: int = 2048, budget_s: float = 0.25) -> int:
+    """The largest square size up to `largest` whose product takes under `budget_s`: small matrices understate a
+    fast device, and large ones take minutes where the dtype is emulated (bf16 on a CPU without AVX512-BF16)."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    size = 256
+    while size < largest:
+        a = torch.ones(size * 2, size * 2, device=device, dtype=torch_dtype)
+        start = time.perf_counter()
+        a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if time.perf_counter() - start > budget_s:
+            break
+        size *= 2
+    return size
+
+
 def measured_peak(device: torch.device, dtype: str, name: str) -> Peak:
     """A measured peak, cached in FORGE_CACHE_DIR/peak_flops.json by device model, dtype and threads."""
-    key = f"{name}|{dtype}|threads={torch.get_num_threads()}"
+    key = f"{name}|{dtype}|threads={torch.get_num_threads()}|v2"
     path = cache_dir() / "peak_flops.json"
     try:
         cache = json.loads(path.read_text())
@@ -103,7 +120,7 @@ def measured_peak(device: torch.device, dtype: str, name: str) -> Peak:
         cache = {}
     if key in cache:
         return Peak(cache[key], f"cached measurement ({key})")
-    flops = measure_matmul_flops(device, dtype)
+    flops = measure_matmul_flops(device, dtype, matmul_size_for(device, dtype), seconds=0.6)
     cache[key] = flops
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

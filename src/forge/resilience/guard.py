@@ -1,13 +1,13 @@
 """One object the loop consults each step: preemption, non-finite values, the watchdog, fault injection."""
 
 import logging
-import os
 import time
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from forge.resilience.hard_exit import hard_exit
 from forge.resilience.liveness import EXIT_PEER_LOST, Liveness, PeerLostError, is_collective_failure
 from forge.resilience.nonfinite import NonFiniteError, NonFinitePolicy
 from forge.resilience.preemption import PreemptionHandler
@@ -85,7 +85,8 @@ class StepGuard:
     def exit_if_peer_lost(self, err: BaseException) -> None:
         """A failed collective or liveness check ends the job with one error naming the lost ranks (exit 77).
 
-        The process leaves with os._exit: tearing down a process group whose peer is gone can hang or abort.
+        The process leaves through hard_exit (os._exit after the registered callbacks): tearing down a process
+        group whose peer is gone can hang or abort.
         Any other error, and any error of a single process, returns for the caller to re-raise.
         """
         if self.liveness.group is None or not is_collective_failure(err):
@@ -100,8 +101,7 @@ class StepGuard:
     def _exit_peer_lost(self, err: Exception) -> NoReturn:
         rank = dist.get_rank() if dist.is_initialized() else 0
         log.error("rank %d: %s; ending the job (exit code %d)", rank, err, EXIT_PEER_LOST)
-        logging.shutdown()
-        os._exit(EXIT_PEER_LOST)
+        hard_exit(EXIT_PEER_LOST)
 
     def metrics(self) -> dict:
         return {"skipped_steps": self.nonfinite.skipped, "rollbacks": self.nonfinite.rollbacks}

@@ -6,12 +6,13 @@ requeue on. A hard deadline ends the process anyway if the final save hangs.
 """
 
 import logging
-import os
 import signal
 import threading
 
 import torch
 import torch.distributed as dist
+
+from forge.resilience.hard_exit import hard_exit
 
 log = logging.getLogger("forge")
 
@@ -36,8 +37,7 @@ class PreemptionHandler:
 
     def _hard_exit(self) -> None:
         log.error("preemption: the final checkpoint did not finish within %.0f s; exiting anyway", self.deadline_s)
-        logging.shutdown()
-        os._exit(EXIT_PREEMPTED)
+        hard_exit(EXIT_PREEMPTED)
 
     def should_stop(self, device: torch.device) -> bool:
         """True on every rank once any rank was signalled."""

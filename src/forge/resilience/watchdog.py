@@ -8,6 +8,8 @@ import threading
 import time
 import traceback
 
+from forge.resilience.hard_exit import hard_exit
+
 log = logging.getLogger("forge")
 
 EXIT_HUNG = 76
@@ -59,8 +61,7 @@ class StepWatchdog:
                     EXIT_HUNG,
                     main_thread_stack(),
                 )
-                logging.shutdown()
-                os._exit(EXIT_HUNG)
+                hard_exit(EXIT_HUNG)
 
     def stop(self) -> None:
         self._stop.set()

@@ -24,6 +24,7 @@ from forge.parallel.pipeline import Pipeline, build_pipeline
 from forge.parallel.plan import parallelize
 from forge.resilience import EXIT_PREEMPTED
 from forge.resilience.guard import RollbackRequested, StepGuard
+from forge.resilience.hard_exit import on_hard_exit
 from forge.resilience.health import check_device
 from forge.train import build
 from forge.train.precision import autocast, resolve_dtype
@@ -67,7 +68,7 @@ class NullMetrics:
 
     def log_eval(self, step: int, val_loss: float) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, exit_code: int = 0) -> None: ...
 
     def tracker_ids(self) -> dict[str, str]:
         return {}
@@ -109,6 +110,9 @@ class Trainer:
             build_metrics_logger(cfg, self.run_dir, self.state.tracker_ids) if dist.is_main_process() else NullMetrics()
         )
         self.state.tracker_ids.update(self.metrics.tracker_ids())
+        # The watchdog, a lost peer or an overdue preemption save end the process with os._exit: close the
+        # tracker runs as failed first (metrics.jsonl is flushed line by line anyway).
+        self.forget_metrics_on_exit = on_hard_exit(self.metrics.close)
         self.meter = build_step_meter(cfg, self.model, self.device, self.dtype)
         self.profiler = build_profiler(cfg, self.run_dir, self.device)
         n_params = self.n_params
@@ -252,8 +256,10 @@ class Trainer:
             return self._fit()
         except BaseException as err:  # dcp's CheckpointException is a BaseException
             self.guard.exit_if_peer_lost(err)  # a dead or stalled peer: one error naming it, exit 77
+            self.metrics.close(exit_code=1)  # the tracker runs end as failed, not as running or finished
             raise
         finally:
+            self.forget_metrics_on_exit()
             self.guard.close()
 
     def _fit(self) -> dict:

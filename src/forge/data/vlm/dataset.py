@@ -11,9 +11,9 @@ import functools
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from forge.data.order import EpochOrder
 from forge.data.vlm.media import MediaError, decode_frames, frame_times, load_image
 
 log = logging.getLogger(__name__)
@@ -143,19 +143,7 @@ class VLMLoader:
             raise ValueError(f"{len(corpus.train_records)} records cannot fill a batch of {micro_batch} x {dp_size}")
         self.corpus, self.text_len, self.micro_batch = corpus, text_len, micro_batch
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
-        self.epoch, self.cursor = 0, 0
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.corpus.train_records))
-
-    def _next_index(self) -> int:
-        if self.cursor >= len(self._order):
-            self.epoch, self.cursor = self.epoch + 1, 0
-            self._order = self._permutation(self.epoch)
-        index = int(self._order[self.cursor])
-        self.cursor += 1
-        return index
+        self.position = EpochOrder(len(corpus.train_records), [seed])
 
     def next_batch(self) -> dict:
         """This rank's micro-batch; every rank walks the whole global batch so unreadable media shift all alike."""
@@ -164,7 +152,7 @@ class VLMLoader:
         for slot in range(self.micro_batch * self.dp_size):
             mine = slot // self.micro_batch == self.dp_rank
             while True:
-                record = records[self._next_index()]
+                record = records[self.position.next_index()]
                 if mine:
                     example = self.corpus.example(record, self.text_len)
                     if example is not None:
@@ -179,10 +167,9 @@ class VLMLoader:
         return {"media_skipped": self.corpus.skipped}
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed}
+        return {"epoch": self.position.epoch, "cursor": self.position.cursor, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed:
             raise ValueError(f"loader state was saved with seed {state['seed']}, this run uses {self.seed}")
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._order = self._permutation(self.epoch)
+        self.position.seek(state["epoch"], state["cursor"])

@@ -14,7 +14,9 @@ class Tracker(Protocol):
 
     def log(self, step: int, values: dict[str, float]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, exit_code: int = 0) -> None:
+        """End the run; a non-zero exit_code marks it failed (the watchdog's 76, a lost peer's 77, a crash's 1)."""
+        ...
 
 
 def build_trackers(cfg: Any, run_dir: Path, run_ids: dict[str, str], config: dict | None = None) -> list[Tracker]:

@@ -55,5 +55,5 @@ class MlflowTracker:
         metrics = [Metric(key, value, now, step) for key, value in numeric(values).items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, exit_code: int = 0) -> None:
+        self.client.set_terminated(self.run_id, status="FINISHED" if exit_code == 0 else "FAILED")

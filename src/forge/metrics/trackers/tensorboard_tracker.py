@@ -21,5 +21,5 @@ class TensorBoardTracker:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
-    def close(self) -> None:
-        self.writer.close()
+    def close(self, exit_code: int = 0) -> None:
+        self.writer.close()  # event files have no run status; every scalar is already flushed

@@ -30,5 +30,5 @@ class WandbTracker:
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(numeric(values), step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
