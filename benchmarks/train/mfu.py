@@ -7,10 +7,11 @@ A shape is dim:layers:seq:batch (heads = dim / 64, vocab 8192, SwiGLU hidden 4 x
 AdamW on random tokens, as in the trainer (autocast in the resolved dtype, fp32 cross-entropy). FLOPs per token
 come from forge.metrics.flops, the count the trainer's MFU uses (matmuls only, full seq x seq attention).
 
-The peak is the best of square matmuls of 1024, 2048 and 4096 (and of the model's own largest matmul), measured in
-bursts between the timed steps, so that load from other jobs lowers the peak and the step alike. Both the peak of
-the dtype the step runs in and the bf16 peak are printed: on a CPU without native bf16 (no AVX512-BF16 or AMX)
-the bf16 figure shows why `train.dtype=auto` trains in fp32 there.
+The peak is the best of square matmuls of 1024, 2048 and 4096 and of the model's own widest matmul, measured in
+bursts before and between the timed steps and taking the quietest burst: the machine's rate when nothing else
+runs. The steps' time is summed over all of them, so load from other jobs lowers the MFU, never raises it.
+Both the peak of the dtype the step runs in and the bf16 peak are printed: on a CPU without native bf16 (no
+AVX512-BF16 or AMX) the bf16 figure shows why `train.dtype=auto` trains in fp32 there.
 """
 
 import argparse

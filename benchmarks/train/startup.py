@@ -1,8 +1,8 @@
 """Start-up time to the first training step: forge-train against a hand-written transformers script, one run.
 
-    .venv/bin/python benchmarks/train/startup.py [--rounds 3 --model llama_tiny]
+    .venv/bin/python benchmarks/train/startup.py [--rounds 3]
 
-forge: `python -m forge.train model=<model> train.steps=1 train.eval_batches=1`, read line by line as it runs. The
+forge: `python -m forge.train model=llama_tiny train.steps=1 train.eval_batches=1`, read line by line as it runs. The
 clock starts when the process is spawned and each phase ends when its log line appears: the model built and
 initialised ("model ... parameters": imports, config composition and validation, corpus, model, the MFU peak), the
 first evaluation ("step 0 | val loss", one batch) and the first optimizer step ("step 1/1"). The embedded corpus
@@ -48,10 +48,10 @@ print(f"{imported - start} {built - start} {done - start}")
 """
 
 
-def time_forge(model: str, run_dir: Path) -> dict[str, float]:
+def time_forge(run_dir: Path) -> dict[str, float]:
     """Seconds from spawn to each phase's log line, and to the process's exit."""
     cmd = [
-        sys.executable, "-m", "forge.train", f"model={model}", "train.steps=1", "train.eval_batches=1",
+        sys.executable, "-m", "forge.train", "model=llama_tiny", "train.steps=1", "train.eval_batches=1",
         "train.log_every=1", "scheduler.warmup_steps=0", "metrics.console=line", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     start = time.perf_counter()
@@ -79,16 +79,15 @@ def time_transformers() -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", default="llama_tiny")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        time_forge(opts.model, Path(tmp) / "warmup")  # fills the corpus cache and the peak-FLOPs cache
+        time_forge(Path(tmp) / "warmup")  # fills the corpus cache and the peak-FLOPs cache
         forge, hf = [], []
         for i in range(opts.rounds):
-            forge.append(time_forge(opts.model, Path(tmp) / f"run{i}"))
+            forge.append(time_forge(Path(tmp) / f"run{i}"))
             hf.append(time_transformers())
     median = lambda runs, key: statistics.median(run[key] for run in runs) if key in runs[0] else None  # noqa: E731
-    print(f"seconds from spawn, median of {opts.rounds} alternating rounds, model={opts.model}")
+    print(f"seconds from spawn, median of {opts.rounds} alternating rounds, model=llama_tiny")
     print("| phase ends | forge-train | transformers script |")
     print("|---|---|---|")
     show = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731

@@ -50,6 +50,7 @@ def test_cpu_peak_is_measured_once_then_cached(tmp_path, monkeypatch):
         return 1.5e11
 
     monkeypatch.setattr(peak_module, "measure_matmul_flops", fake_measure)
+    monkeypatch.setattr(peak_module, "matmul_size_for", lambda device, dtype: 256)
     first = resolve_peak(torch.device("cpu"), "fp32")
     second = resolve_peak(torch.device("cpu"), "fp32")
     assert first.flops == second.flops == 1.5e11
@@ -60,7 +61,7 @@ def test_cpu_peak_is_measured_once_then_cached(tmp_path, monkeypatch):
     assert key.endswith(f"|fp32|threads={torch.get_num_threads()}|v2")
 
 
-def test_measured_size_stops_where_a_product_gets_slow(monkeypatch):
+def test_measured_size_stops_where_a_product_gets_slow():
     """fp32 on this CPU grows past the smallest size; a budget no product meets keeps the smallest."""
     assert peak_module.matmul_size_for(torch.device("cpu"), "fp32", largest=1024, budget_s=10.0) == 1024
     assert peak_module.matmul_size_for(torch.device("cpu"), "fp32", largest=1024, budget_s=0.0) == 256

@@ -259,7 +259,8 @@ class ResilienceConfig:
     preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2"])
     """Signals that make every rank stop after the same step, checkpoint and exit with code 75 (requeue)."""
     preemption_deadline_s: float = 300.0
-    """After a preemption signal, exit anyway when the final checkpoint has not finished within this many seconds."""
+    """After a preemption signal, exit anyway when the final checkpoint has not finished within this many seconds
+    (then up to 5 s more to end the tracker runs)."""
     nonfinite_policy: str = "raise"
     """NaN/Inf loss or gradient norm: warn, skip (no optimizer step), raise, or rollback (reload the last
     checkpoint and skip the offending batches)."""

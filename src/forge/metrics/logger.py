@@ -3,6 +3,7 @@
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +55,8 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._closed = False
         self.total_steps = total_steps
         self.console = console
         self.smoothing = smoothing
@@ -79,11 +82,14 @@ class MetricsLogger:
         return {t.name: t.run_id for t in self.trackers if t.run_id is not None}
 
     def _write(self, step: int, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        values = {k: v for k, v in record.items() if k != "step"}
-        for tracker in self.trackers:
-            tracker.log(step, values)
+        with self._lock:
+            if self._closed:
+                return
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            values = {k: v for k, v in record.items() if k != "step"}
+            for tracker in self.trackers:
+                tracker.log(step, values)
 
     def log_train(self, step: int, metrics: dict) -> None:
         loss = metrics["loss"]
@@ -114,9 +120,18 @@ class MetricsLogger:
             log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, val_ppl)
 
     def close(self, exit_code: int = 0) -> None:
-        """Close metrics.jsonl and end every tracker's run (failed when exit_code is not 0); idempotent."""
-        if self._file.closed:
-            return
-        self._file.close()
-        for tracker in self.trackers:
-            tracker.close(exit_code)
+        """End every tracker's run (failed when exit_code is not 0) and close metrics.jsonl, once.
+
+        Thread-safe: a hard exit calls this from the watchdog's or the preemption timer's thread while the main
+        thread may still log (records after the close are dropped) or close too (the second call does nothing).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for tracker in self.trackers:
+                try:
+                    tracker.close(exit_code)
+                except Exception as err:  # the other trackers and metrics.jsonl still get closed
+                    log.warning("could not end the %s run: %s", tracker.name, err)
+            self._file.close()

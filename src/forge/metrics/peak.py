@@ -98,6 +98,8 @@ def matmul_size_for(device: torch.device, dtype: str, largest: int = 2048, budge
     fast device, and large ones take minutes where the dtype is emulated (bf16 on a CPU without AVX512-BF16)."""
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     size = 256
+    warm = torch.ones(size, size, device=device, dtype=torch_dtype)
+    warm @ warm  # library handles, thread pools and lazy loading stay out of the timed products
     while size < largest:
         a = torch.ones(size * 2, size * 2, device=device, dtype=torch_dtype)
         start = time.perf_counter()

@@ -110,9 +110,6 @@ class Trainer:
             build_metrics_logger(cfg, self.run_dir, self.state.tracker_ids) if dist.is_main_process() else NullMetrics()
         )
         self.state.tracker_ids.update(self.metrics.tracker_ids())
-        # The watchdog, a lost peer or an overdue preemption save end the process with os._exit: close the
-        # tracker runs as failed first (metrics.jsonl is flushed line by line anyway).
-        self.forget_metrics_on_exit = on_hard_exit(self.metrics.close)
         self.meter = build_step_meter(cfg, self.model, self.device, self.dtype)
         self.profiler = build_profiler(cfg, self.run_dir, self.device)
         n_params = self.n_params
@@ -252,14 +249,20 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train to train.steps (or until preempted); the watchdog and signal handlers end with the loop."""
+        # The watchdog, a lost peer or an overdue preemption save end the process with os._exit: the tracker runs
+        # are closed with that exit code first (metrics.jsonl is flushed line by line anyway).
+        forget_metrics_on_exit = on_hard_exit(self.metrics.close)
         try:
             return self._fit()
         except BaseException as err:  # dcp's CheckpointException is a BaseException
             self.guard.exit_if_peer_lost(err)  # a dead or stalled peer: one error naming it, exit 77
-            self.metrics.close(exit_code=1)  # the tracker runs end as failed, not as running or finished
+            try:
+                self.metrics.close(exit_code=1)  # the tracker runs end as failed, not as running or finished
+            except Exception as close_err:
+                log.warning("could not close the metrics after the failure: %s", close_err)
             raise
         finally:
-            self.forget_metrics_on_exit()
+            forget_metrics_on_exit()
             self.guard.close()
 
     def _fit(self) -> dict:

@@ -56,4 +56,6 @@ class MlflowTracker:
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def close(self, exit_code: int = 0) -> None:
-        self.client.set_terminated(self.run_id, status="FINISHED" if exit_code == 0 else "FAILED")
+        # 75 is a preemption whose final save overran its deadline: the job was stopped, not broken.
+        status = {0: "FINISHED", 75: "KILLED"}.get(exit_code, "FAILED")
+        self.client.set_terminated(self.run_id, status=status)
