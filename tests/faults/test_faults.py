@@ -81,13 +81,14 @@ def test_nan_policies_skip_the_poisoned_step(tmp_path, reference, policy):
     curve = losses(tmp_path)
     assert [curve[s] for s in range(1, 7)] == [reference[s] for s in range(1, 7)]
     assert all(curve[s] != reference[s] for s in range(8, 17))
-    return curve
 
 
 def test_rollback_curve_equals_skip_curve(tmp_path):
     """Rolling back and skipping the poisoned batches leaves the same model as not stepping on them."""
-    _, _ = train(tmp_path / "skip", "resilience.inject_nan_at_step=7", "resilience.nonfinite_policy=skip")
-    _, out = train(tmp_path / "rollback", "resilience.inject_nan_at_step=7", "resilience.nonfinite_policy=rollback")
+    code, out = train(tmp_path / "skip", "resilience.inject_nan_at_step=7", "resilience.nonfinite_policy=skip")
+    assert code == 0, out
+    code, out = train(tmp_path / "rollback", "resilience.inject_nan_at_step=7", "resilience.nonfinite_policy=rollback")
+    assert code == 0, out
     assert "rolling back" in out and "resumed from" in out
     skip, rollback = losses(tmp_path / "skip"), losses(tmp_path / "rollback")
     assert [skip[s] for s in range(8, 17)] == [rollback[s] for s in range(8, 17)]
