@@ -156,3 +156,52 @@ def test_embedded_photos_are_captioned_and_preprocessed(processor, tmp_path):
 
 def loader_metrics_ok(corpus) -> bool:
     return corpus.skipped == 0  # every photo (png, jpg, grayscale) decodes
+
+
+class CountingProcessor:
+    """The image processor, counting the images it is given."""
+
+    def __init__(self, processor):
+        self.processor, self.images = processor, 0
+
+    def __call__(self, images, **kwargs):
+        self.images += len(images)
+        return self.processor(images=images, **kwargs)
+
+
+def test_ranks_preprocess_only_their_own_records_and_agree_on_skips(tmp_path, processor):
+    """dp=2 with an unreadable record: each rank runs the image processor on its own samples only, both count the
+    same skips, and the two slices together are the single-process batch."""
+    path = write_records(tmp_path, n=16, broken={2, 9})
+    whole = image_text(processor, path, vocab_size=300, cache_dir=str(tmp_path), val_fraction=0.2)
+    single = whole.make_loader(8, 4, 4, 0, 0, 1)
+    ranks, counters = [], []
+    for rank in range(2):
+        counting = CountingProcessor(processor)
+        corpus = image_text(counting, path, vocab_size=300, cache_dir=str(tmp_path), val_fraction=0.2)
+        ranks.append(corpus.make_loader(8, 2, 4, 0, rank, 2))
+        counters.append((counting, corpus))
+    first_epoch = []
+    for step in range(6):  # global batches of 4 over 12 training records: two epochs, each past both bad images
+        expected = single.next_batch()
+        got = [loader.next_batch() for loader in ranks]
+        assert torch.equal(torch.cat([g["pixels"] for g in got]), expected["pixels"])
+        assert torch.equal(torch.cat([g["tokens"] for g in got]), expected["tokens"])
+        if step == 1:
+            first_epoch = [counting.images for counting, _ in counters]
+    skipped = [corpus.skipped for _, corpus in counters]
+    assert skipped[0] == skipped[1] == whole.skipped >= 2
+    # Two batches hold 4 samples of each rank; preprocessing the other rank's records too would make it 8.
+    assert first_epoch == [4, 4]
+
+
+def test_media_cache_is_bounded_in_bytes():
+    from forge.data.vlm.dataset import MediaCache
+
+    cache = MediaCache(max_bytes=3 * 400)
+    for i in range(5):
+        cache.put(("f", float(i), None), (torch.zeros(100),))  # 400 bytes each
+    assert cache.bytes <= 1200 and len(cache.entries) == 3
+    assert cache.get(("f", 0.0, None)) is None and cache.get(("f", 4.0, None)) is not None
+    cache.put(("big", 0.0, None), (torch.zeros(1000),))  # larger than the whole cache: not kept
+    assert cache.get(("big", 0.0, None)) is None

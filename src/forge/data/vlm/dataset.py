@@ -5,10 +5,15 @@ A batch is a dict: pixels (batch, frames, 3, H, W), frame_mask (batch, frames) T
 frame_times (batch, frames) seconds, tokens and labels (batch, text_len). Labels are -100 on padding and, with
 answer_only_loss, on the prompt. Media that cannot be read are skipped and counted (on_bad_media=skip, the default
 for training data) or raise an error naming the file (on_bad_media=error).
+
+Each rank preprocesses only its own records. It also needs to know whether the other ranks' records of the batch
+can be read (an unreadable one shifts every later slot), so it decodes those once, without the image processor,
+and remembers the answer. Preprocessed media are kept in a cache bounded in bytes, which small data sets reuse
+across epochs.
 """
 
-import functools
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +37,33 @@ class MediaRecord:
     end: float | None = None
 
 
+MediaKey = tuple[str, float, float | None]
+
+
+class MediaCache:
+    """Least-recently-used preprocessed media, at most `max_bytes` of tensors."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.entries: OrderedDict[MediaKey, tuple] = OrderedDict()
+
+    def get(self, key: MediaKey) -> tuple | None:
+        value = self.entries.get(key)
+        if value is not None:
+            self.entries.move_to_end(key)
+        return value
+
+    def put(self, key: MediaKey, value: tuple) -> None:
+        size = sum(t.numel() * t.element_size() for t in value)
+        if size > self.max_bytes:
+            return
+        self.entries[key] = value
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, dropped = self.entries.popitem(last=False)
+            self.bytes -= sum(t.numel() * t.element_size() for t in dropped)
+
+
 class VLMCorpus:
     """Train and validation records with their tokenizer and image processor."""
 
@@ -48,6 +80,7 @@ class VLMCorpus:
         fps: float = 1.0,
         answer_only_loss: bool = True,
         on_bad_media: str = "skip",
+        media_cache_mb: int = 512,
     ):
         if on_bad_media not in BAD_MEDIA_POLICIES:
             raise ValueError(f"data.on_bad_media={on_bad_media!r} is not one of {', '.join(BAD_MEDIA_POLICIES)}")
@@ -66,16 +99,29 @@ class VLMCorpus:
         self.answer_only_loss = answer_only_loss
         self.on_bad_media = on_bad_media
         self.skipped = 0
-        self._media = functools.lru_cache(maxsize=4096)(self._read_media)
+        self._cache = MediaCache(media_cache_mb * 2**20)
+        self._unreadable: dict[MediaKey, str] = {}
+        """Media known not to decode, with the error; readable ones are in `_readable`."""
+        self._readable: set[MediaKey] = set()
 
-    def _read_media(self, path: str, start: float, end: float | None):
-        if end is None:
-            images, times = [load_image(path)], [0.0]
+    def _decode(self, record: MediaRecord) -> tuple[list, list[float]]:
+        """The record's decoded frames (PIL images) and their times in seconds."""
+        if record.end is None:
+            images, times = [load_image(record.path)], [0.0]
         else:
-            times = frame_times(start, end, self.fps, self.min_frames, self.max_frames)
-            images = decode_frames(path, times)
+            times = frame_times(record.start, record.end, self.fps, self.min_frames, self.max_frames)
+            images = decode_frames(record.path, times)
         if len(images) > self.max_frames:
-            raise MediaError(f"{path}: {len(images)} frames exceed data.max_frames={self.max_frames}")
+            raise MediaError(f"{record.path}: {len(images)} frames exceed data.max_frames={self.max_frames}")
+        return images, times
+
+    def _media(self, record: MediaRecord):
+        key = (record.path, record.start, record.end)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        images, times = self._decode(record)
+        start = record.start
         pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
         frames = torch.zeros(self.max_frames, *pixels.shape[1:], dtype=pixels.dtype)
         frames[: len(images)] = pixels
@@ -83,7 +129,33 @@ class VLMCorpus:
         mask[: len(images)] = True
         stamps = torch.zeros(self.max_frames)
         stamps[: len(images)] = torch.tensor(times) - start
+        self._cache.put(key, (frames, mask, stamps))
         return frames, mask, stamps
+
+    def _skip(self, key: MediaKey, err: MediaError) -> None:
+        """Count (and log) one skip of unreadable media, or raise under on_bad_media=error."""
+        self._unreadable[key] = str(err)
+        if self.on_bad_media == "error":
+            raise err
+        self.skipped += 1
+        log.warning("skipped (%d so far): %s", self.skipped, err)
+
+    def readable(self, record: MediaRecord) -> bool:
+        """Whether the record's media decode, as example() would find; decoded once, then remembered. An unreadable
+        record counts as a skip each time, as in example()."""
+        key = (record.path, record.start, record.end)
+        if key in self._readable:
+            return True
+        if key in self._unreadable:
+            self._skip(key, MediaError(self._unreadable[key]))
+            return False
+        try:
+            self._decode(record)
+        except MediaError as err:
+            self._skip(key, err)
+            return False
+        self._readable.add(key)
+        return True
 
     def text(self, record: MediaRecord, text_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, labels) of prompt + target + EOS, cut or padded to text_len."""
@@ -100,14 +172,16 @@ class VLMCorpus:
 
     def example(self, record: MediaRecord, text_len: int) -> dict | None:
         """One example's tensors, or None for unreadable media under on_bad_media=skip."""
-        try:
-            pixels, mask, stamps = self._media(record.path, record.start, record.end)
-        except MediaError as err:
-            if self.on_bad_media == "error":
-                raise
-            self.skipped += 1
-            log.warning("skipped (%d so far): %s", self.skipped, err)
+        key = (record.path, record.start, record.end)
+        if key in self._unreadable:
+            self._skip(key, MediaError(self._unreadable[key]))
             return None
+        try:
+            pixels, mask, stamps = self._media(record)
+        except MediaError as err:
+            self._skip(key, err)
+            return None
+        self._readable.add(key)
         tokens, labels = self.text(record, text_len)
         return {"pixels": pixels, "frame_mask": mask, "frame_times": stamps, "tokens": tokens, "labels": labels}
 
@@ -158,9 +232,8 @@ class VLMLoader:
                     if example is not None:
                         examples.append(example)
                         break
-                else:  # other ranks' records: only whether they are readable matters here
-                    if self.corpus.example(record, self.text_len) is not None:
-                        break
+                elif self.corpus.readable(record):  # another rank's record: only whether it decodes matters
+                    break
         return collate(examples)
 
     def metrics(self) -> dict:
