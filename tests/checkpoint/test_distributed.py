@@ -10,22 +10,13 @@ from forge.parallel.dist import is_main_process
 from forge.train.trainer import Trainer
 from tests.parallel.harness import launch
 from tests.parallel.scenarios import TINY, curves
+from tests.tiny import Crash, CrashingTrainer
 
 pytestmark = pytest.mark.dist
 
 
-class Crash(Exception):
-    pass
-
-
-class CrashingTrainer(Trainer):
+class CrashAfter6(CrashingTrainer):
     crash_after = 6
-
-    def train_step(self):
-        if self.crash_after == 0:
-            raise Crash
-        self.crash_after -= 1
-        return super().train_step()
 
 
 def exact_resume(root: str) -> dict:
@@ -34,7 +25,7 @@ def exact_resume(root: str) -> dict:
     Trainer(compose(common), Path(root) / "whole").fit()
     cut = [*common, "checkpoint.interval=4"]
     with contextlib.suppress(Crash):
-        CrashingTrainer(compose(cut), Path(root) / "cut").fit()
+        CrashAfter6(compose(cut), Path(root) / "cut").fit()
     resumed = Trainer(compose(cut), Path(root) / "cut")
     start = resumed.state.step
     resumed.fit()

@@ -8,7 +8,6 @@ optimizer, gathered to full tensors, must equal the checkpoint's contents read i
 hold the same keys as the reference's, with nearly the same values.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.checkpoint.layout_worker import resume
 from tests.parallel.scenarios import TINY
+from tests.tiny import losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -37,11 +37,6 @@ def torchrun(nproc: int, *args: str) -> None:
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Save, seal, retain and resume in one process: a resumed run reproduces the uninterrupted one bit for bit."""
 
-import json
 import shutil
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 from forge.checkpoint import CheckpointError
 from forge.config import compose
 from forge.train.trainer import Trainer
-from tests.tiny import TINY_MODEL
+from tests.tiny import TINY_MODEL, Crash, CrashingTrainer, losses
 
 TINY = [
     *TINY_MODEL,
@@ -23,32 +22,6 @@ TINY = [
     "scheduler.warmup_steps=3",
     "train.steps=12",
 ]
-
-
-class Crash(Exception):
-    pass
-
-
-class CrashingTrainer(Trainer):
-    """Dies (like a SIGKILL between steps) after `crash_after` optimizer steps of this process."""
-
-    crash_after = 7
-
-    def train_step(self):
-        if self.crash_after == 0:
-            raise Crash
-        self.crash_after -= 1
-        return super().train_step()
-
-
-def losses(run_dir) -> dict[int, float]:
-    """step -> loss, the last record of each step winning (a resumed run appends)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

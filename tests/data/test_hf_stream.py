@@ -10,7 +10,8 @@ from forge.data.hf_stream import HFDatasetCorpus
 from forge.data.sources import DataError
 from forge.data.tokenizer import gpt2_tokenizer, train_bpe
 from forge.train.trainer import Trainer
-from tests.checkpoint.test_resume import TINY, Crash, CrashingTrainer, losses
+from tests.checkpoint.test_resume import TINY
+from tests.tiny import Crash, CrashingTrainer, losses
 
 SEQ, MICRO = 32, 2
 

@@ -3,7 +3,6 @@
 FORGE_FAULT_KILLS sets how many random SIGKILLs the kill test injects (default 3; e.g. 300 for a long soak).
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import ROOT
-from tests.tiny import TINY_MODEL
+from tests.tiny import TINY_MODEL, losses
 
 RUN = [
     *TINY_MODEL,
@@ -48,18 +47,6 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
 
 def train(run_dir: Path, *overrides: str) -> tuple[int, str]:
     return finish(start(run_dir, *overrides))
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """step -> loss; a resumed run appends, and the last record of a step wins."""
-    out: dict[int, float] = {}
-    path = run_dir / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if "loss" in record:
-                out[record["step"]] = record["loss"]
-    return out
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 120) -> None:

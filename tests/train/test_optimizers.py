@@ -2,8 +2,6 @@
 ops; each trains the tiny model through its conf/optimizer preset; Muon routes the right parameters to AdamW; a
 run stopped and resumed from a checkpoint equals the uninterrupted one bit for bit."""
 
-import json
-
 import pytest
 import torch
 from torch import nn
@@ -15,7 +13,7 @@ from forge.train.optimizers.lion import Lion
 from forge.train.optimizers.muon import Muon, muon_with_adamw
 from forge.train.optimizers.schedule_free import AdamWScheduleFree
 from forge.train.trainer import Trainer
-from tests.tiny import TINY_MODEL
+from tests.tiny import TINY_MODEL, Crash, CrashingTrainer, losses
 
 TINY = [
     *TINY_MODEL,
@@ -192,16 +190,6 @@ def test_muon_sends_a_tied_head_to_adamw():
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
 
 
-def losses(run_dir) -> dict[int, float]:
-    """step -> loss, the last record of each step winning (a resumed run appends)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
-
-
 def test_lion_trains(tmp_path):
     summary = Trainer(compose([*TINY, *PRESETS["lion"], "train.steps=8"]), tmp_path).fit()
     curve = losses(tmp_path)
@@ -209,20 +197,8 @@ def test_lion_trains(tmp_path):
     assert summary["final_val_loss"] < summary["first_val_loss"] - 0.3
 
 
-class Crash(Exception):
-    pass
-
-
-class CrashingTrainer(Trainer):
-    """Dies (like a SIGKILL between steps) after 4 optimizer steps."""
-
+class CrashAfter4(CrashingTrainer):
     crash_after = 4
-
-    def train_step(self):
-        if self.crash_after == 0:
-            raise Crash
-        self.crash_after -= 1
-        return super().train_step()
 
 
 @pytest.mark.parametrize("name", ["muon", "schedule_free_adamw"])
@@ -233,7 +209,7 @@ def test_trains_and_resumes_bitwise(tmp_path, name):
     assert whole[6] < whole[1] - 0.3
     assert summary["final_val_loss"] < summary["first_val_loss"] - 0.3
     with pytest.raises(Crash):
-        CrashingTrainer(compose(overrides), tmp_path / "cut").fit()
+        CrashAfter4(compose(overrides), tmp_path / "cut").fit()
     resumed = Trainer(compose(overrides), tmp_path / "cut")
     assert resumed.state.step == 3
     resumed_summary = resumed.fit()
