@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from forge.config import compose
 from forge.parallel.dist import is_main_process
@@ -50,7 +50,7 @@ def ep_train_save_resume(root: str) -> dict:
     whole = Trainer(compose([*EP2, "checkpoint.interval=2"]), Path(root) / "whole")
     layout = expert_layout(whole)
     whole.fit()
-    weights = get_model_state_dict(whole.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    weights, optim = full_state(whole)
     saved = Path(whole.run_dir) / "checkpoints"
     resumed = Trainer(compose([*EP2, f"checkpoint.resume={saved / 'step-00000002'}"]), Path(root) / "resumed")
     start = resumed.state.step
@@ -63,8 +63,18 @@ def ep_train_save_resume(root: str) -> dict:
         "start": start,
         "layout": layout,
         "weights": save(weights, Path(root) / "whole_weights.pt"),
+        "optim": save(optim, Path(root) / "whole_optim.pt"),
         "step4": str(saved / "step-00000004"),
     }
+
+
+def full_state(trainer: Trainer) -> tuple[dict, dict]:
+    """The model's and the optimizer's state as full tensors on the CPU (a collective: every rank calls it)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (
+        get_model_state_dict(trainer.model, options=options),
+        get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options),
+    )
 
 
 def save(state: dict, path: Path) -> str:
@@ -116,10 +126,61 @@ def test_ep_checkpoint_loads_into_one_process(ep2, tmp_path):
         assert torch.equal(got[name], value), name
 
 
+def load_into_ep4(checkpoint: str, root: str) -> dict:
+    """Resume the 2-rank ep=2 checkpoint on 4 ranks with ep=4: one expert per rank instead of two."""
+    overrides = [
+        *MOE,
+        "parallel=ep2_fsdp",
+        "parallel.ep=4",
+        "train.micro_batch_size=2",
+        f"checkpoint.resume={checkpoint}",
+    ]
+    trainer = Trainer(compose(overrides), Path(root) / "ep4")
+    layout = expert_layout(trainer)
+    weights, optim = full_state(trainer)
+    if not is_main_process():
+        return {}
+    return {
+        "step": trainer.state.step,
+        "layout": layout,
+        "weights": save(weights, Path(root) / "ep4_weights.pt"),
+        "optim": save(optim, Path(root) / "ep4_optim.pt"),
+    }
+
+
 @pytest.mark.slow
-def test_ep2_over_four_ranks_shards_experts_with_fsdp_and_matches_global_batch_balance(tmp_path, reference):
-    """dp_shard=4, ep=2: each expert's weights are also FSDP-sharded over 2 ranks (dp_shard_mod_ep)."""
-    scenario = {"ep2_dp4": [*GLOBAL, "parallel=ep2_fsdp", "train.micro_batch_size=2"]}
-    run = launch(run_scenarios, 4, scenario, str(tmp_path))[0]["ep2_dp4"]
-    assert run["local_params"] < 0.3 * run["params"]
-    assert_same_curves(run, reference["global"])
+def test_ep2_checkpoint_resumes_with_four_expert_ranks(ep2, tmp_path):
+    """Changing the expert-parallel degree on resume (2 ranks x 2 experts -> 4 ranks x 1) restores every weight and
+    every optimizer moment bit for bit."""
+    loaded = launch(load_into_ep4, 4, ep2["step4"], str(tmp_path))[0]
+    assert loaded["step"] == 4
+    assert loaded["layout"] == {
+        "mesh": {"dp_shard_mod_ep": 1, "ep": 4},
+        "placements": ["_S(0, 4)", "S(0)"],
+        "local_experts": 1,
+    }
+    got, want = torch.load(loaded["weights"]), torch.load(ep2["weights"])
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    got, want = torch.load(loaded["optim"]), torch.load(ep2["optim"])
+    assert sorted(got["state"]) == sorted(want["state"])
+    for name, moments in want["state"].items():
+        assert sorted(got["state"][name]) == sorted(moments), name
+        for key, value in moments.items():
+            assert torch.equal(got["state"][name][key], value), (name, key)
+
+
+@pytest.mark.slow
+def test_ep2_over_four_ranks_shards_experts_with_fsdp_or_hsdp_and_matches_global_batch_balance(tmp_path, reference):
+    """dp_shard=4, ep=2: each expert's weights are also FSDP-sharded over 2 ranks (dp_shard_mod_ep). HSDP x EP
+    (dp_replicate=2 x dp_shard=2, ep=2): the experts split over ep and replicated across the two halves."""
+    scenarios = {
+        "ep2_dp4": [*GLOBAL, "parallel=ep2_fsdp", "train.micro_batch_size=2"],
+        "hsdp_ep2": [*GLOBAL, "parallel=ep2_fsdp", "parallel.dp_replicate=2", "train.micro_batch_size=2"],
+    }
+    runs = launch(run_scenarios, 4, scenarios, str(tmp_path))[0]
+    assert runs["ep2_dp4"]["local_params"] < 0.3 * runs["ep2_dp4"]["params"]
+    assert 0.3 * runs["hsdp_ep2"]["params"] < runs["hsdp_ep2"]["local_params"] < 0.6 * runs["hsdp_ep2"]["params"]
+    for run in runs.values():
+        assert_same_curves(run, reference["global"])

@@ -79,3 +79,79 @@ def test_fp8_without_torchao_names_the_missing_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # as if torchao were not installed
     with pytest.raises(RuntimeError, match="pip install torchao"):
         parallelize(meta_model(), None, degrees(), parallel_cfg(fp8=True), torch.device("cpu"))
+
+
+def mesh_groups(layout: Degrees) -> dict:
+    """On each forked rank: build the mesh with every warning an error, and return the ranks of this rank's
+    data-parallel, FSDP and expert-FSDP groups (None where the layout has none)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from forge.parallel.mesh import build_mesh, dp_mesh, expert_fsdp_mesh
+
+    def ranks(sub) -> list[list[int]] | None:
+        return None if sub is None else sub.mesh.reshape(-1, sub.mesh.shape[-1]).tolist()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mesh = build_mesh(layout, "cpu")
+        groups = {"dp": ranks(dp_mesh(mesh)), "fsdp": ranks(fsdp_mesh(mesh))}
+        if layout.ep > 1:
+            groups["expert_fsdp"] = ranks(expert_fsdp_mesh(mesh))
+    groups["dp_size_seen"] = dist.get_world_size(dp_mesh(mesh).get_group())
+    return groups
+
+
+def row_major_groups(shape: dict[str, int], keep: tuple[str, ...], rank: int) -> list[list[int]]:
+    """The ranks sharing `rank`'s coordinates outside `keep`, laid out over `keep` (independent of DeviceMesh)."""
+    names = list(shape)
+    strides = {name: int(torch.tensor([shape[n] for n in names[i + 1 :]]).prod()) for i, name in enumerate(names)}
+    coords = {name: rank // strides[name] % shape[name] for name in names}
+    base = sum(coords[n] * strides[n] for n in names if n not in keep)
+    grid = torch.zeros(*[shape[n] for n in keep], dtype=torch.long) + base
+    for axis, name in enumerate(keep):
+        view = [1] * len(keep)
+        view[axis] = shape[name]
+        grid = grid + (torch.arange(shape[name]) * strides[name]).view(view)
+    return grid.reshape(-1, grid.shape[-1]).tolist()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("layout", "want"),
+    [
+        (
+            degrees(dp_replicate=2, dp_shard=4),
+            {"dp": ("dp_replicate", "dp_shard"), "fsdp": ("dp_replicate", "dp_shard")},
+        ),
+        (degrees(dp_shard=4, tp=2), {"dp": ("dp_shard",), "fsdp": ("dp_shard",)}),
+        (
+            degrees(dp_shard=8, ep=2),
+            {"dp": ("dp_shard_mod_ep", "ep"), "fsdp": ("dp_shard_mod_ep", "ep"), "expert_fsdp": ("dp_shard_mod_ep",)},
+        ),
+        (
+            degrees(dp_replicate=2, dp_shard=4, ep=2),
+            {
+                "dp": ("dp_replicate", "dp_shard_mod_ep", "ep"),
+                "fsdp": ("dp_replicate", "dp_shard_mod_ep", "ep"),
+                "expert_fsdp": ("dp_replicate", "dp_shard_mod_ep"),
+            },
+        ),
+    ],
+)
+def test_flattened_mesh_dims_are_kept_not_sliced_from_the_root(layout, want):
+    """dp (and dp_shard under ep) are flattened dimensions: PyTorch deprecates slicing them out of the root mesh,
+    so build_mesh keeps them. Each rank's groups must hold the ranks row-major layout arithmetic says."""
+    from tests.parallel.harness import launch
+
+    got = launch(mesh_groups, layout.world_size, layout)
+    shape = mesh_shape(layout)
+    for rank, groups in enumerate(got):
+        for name, dims in want.items():
+            flat = sum(row_major_groups(shape, dims, rank), [])
+            # dp is 1-D; FSDP and expert FSDP meshes are 2-D (dp_replicate, shard) under HSDP.
+            rows = layout.dp_replicate if name != "dp" and layout.dp_replicate > 1 else 1
+            expected = torch.tensor(flat).reshape(rows, -1).tolist()
+            assert groups[name] == expected, (rank, name)
+        assert groups["dp_size_seen"] == layout.dp

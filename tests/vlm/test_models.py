@@ -5,6 +5,7 @@ import torch
 
 from forge.model.transformer import Transformer
 from forge.model.vlm import CrossAttentionVLM, JointDecoderVLM, MoMaVLM, MoTVLM
+from forge.model.vlm.base import VLMCache
 from forge.model.vlm.connector import build_connector
 from forge.model.vlm.encoder import VisionTower, build_tiny_encoder, load_vision_tower
 from tests.vlm.conftest import media
@@ -165,3 +166,32 @@ def test_freeze_schedule_and_its_saved_state(text_args, encoders):
     model.check_freeze_state(6)
     with pytest.raises(ValueError, match="vlm.train_encoder_from_step=5"):
         model.check_freeze_state(3)
+
+
+@pytest.mark.parametrize("strategy", ["joint_decoder", "cross_attention", "mot"])
+def test_prefill_then_cached_decode_equals_the_full_forward(strategy, text_args, encoders):
+    """Generation's KV cache: the prompt's logits from prefill, then 2 tokens and 1 token at a time from the cache,
+    equal one forward pass over the whole sequence (with a padded video frame among the cached keys)."""
+    model = build(STRATEGIES[strategy], text_args, encoders["clip"], time_embedding=True)
+    if strategy == "cross_attention":
+        for block in model.cross_layers.values():
+            block.attn_gate.data.fill_(1.0)
+            block.ffn_gate.data.fill_(1.0)
+    tokens, pixels, mask, times = media(frames=3, valid=2)
+    cache = VLMCache()
+    with torch.no_grad():
+        full = model(tokens, pixels, mask, times)
+        pieces = [model.prefill(tokens[:, :8], pixels, mask, times, cache), model.decode(tokens[:, 8:10], cache)]
+        pieces += [model.decode(tokens[:, i : i + 1], cache) for i in range(10, 12)]
+        visual_tokens = model.encode_media(pixels, mask, times)[0].shape[1]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert cache.length == (12 if strategy == "cross_attention" else visual_tokens + 12)
+
+
+def test_moma_has_no_kv_cache_and_says_so(text_args, encoders):
+    """Expert choice routes over the whole sequence, so a cache would change the outputs: generation recomputes."""
+    model = build(MoMaVLM, text_args, encoders["clip"])
+    assert not model.supports_kv_cache
+    tokens, pixels, mask, times = media()
+    with pytest.raises(NotImplementedError, match="MoMaVLM has no KV cache"):
+        model.prefill(tokens, pixels, mask, times, VLMCache())

@@ -3,8 +3,10 @@
     forge-generate checkpoint=outputs/vlm-run image=photo.png prompt='what color is the shape?'
     forge-generate checkpoint=outputs/vlm-run video=clip.mp4 clip_end=2.0 prompt='what video is this?'
 
-The visual prefix is short, so each new token recomputes the whole sequence (no KV cache for VLMs yet). The
-media are preprocessed by the run's own data code (the encoder's image processor, the same frame sampling).
+The media and the prompt are run once (prefill) and each new token then reads the keys and values of everything
+before it from a KV cache. MoMa has no cache (expert choice routes over the whole sequence), so with it each new
+token recomputes the sequence. The media are preprocessed by the run's own data code (the encoder's image
+processor, the same frame sampling).
 """
 
 from pathlib import Path
@@ -17,6 +19,7 @@ from forge.checkpoint.errors import CheckpointError
 from forge.checkpoint.layout import resolve_checkpoint
 from forge.data.vlm.dataset import MediaRecord
 from forge.generate.sampling import next_token
+from forge.model.vlm.base import VLMCache
 
 
 def load_vlm(source: str | Path, device: torch.device):
@@ -56,8 +59,10 @@ def generate_vlm(
     top_p: float = 1.0,
     stop_at_eos: bool = True,
     seed: int = 0,
+    use_cache: bool = True,
 ) -> list[int]:
-    """Token ids generated after `record.prompt` given its image or clip."""
+    """Token ids generated after `record.prompt` given its image or clip. use_cache=False recomputes the whole
+    sequence for every token (what the cache is tested against)."""
     device = next(model.parameters()).device
     example = corpus.example(record, 1)
     if example is None:
@@ -67,10 +72,16 @@ def generate_vlm(
     if not ids:
         raise ValueError("the prompt is empty")
     generator = torch.Generator(device=device).manual_seed(seed)
+    cache = VLMCache() if use_cache and model.supports_kv_cache else None
     out: list[int] = []
     for _ in range(max_new_tokens):
-        tokens = torch.tensor([ids + out], device=device)
-        token = int(next_token(model(tokens, pixels, mask, times)[:, -1], temperature, top_k, top_p, generator))
+        if cache is None:
+            logits = model(torch.tensor([ids + out], device=device), pixels, mask, times)
+        elif not out:
+            logits = model.prefill(torch.tensor([ids], device=device), pixels, mask, times, cache)
+        else:
+            logits = model.decode(torch.tensor([out[-1:]], device=device), cache)
+        token = int(next_token(logits[:, -1], temperature, top_k, top_p, generator))
         if stop_at_eos and token == corpus.eos_id:
             break
         out.append(token)

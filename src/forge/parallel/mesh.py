@@ -39,12 +39,40 @@ def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh | None:
         raise RuntimeError("build_mesh needs an initialised process group (forge.parallel.dist.init_distributed)")
     shape = mesh_shape(degrees)
     mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    flattened: dict[tuple[str, ...], DeviceMesh] = {}
     if "ep" in shape:
-        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        flattened["dp_shard",] = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
     dp_dims = dp_dim_names(mesh)
     if len(dp_dims) > 1:
-        mesh[dp_dims]._flatten("dp")
+        flattened["dp",] = mesh[dp_dims]._flatten("dp")
+    if "ep" in shape and "dp_replicate" in shape:
+        sizes = (degrees.dp_replicate, degrees.dp_shard)
+        flattened["dp_replicate", "dp_shard"] = _unflatten(flattened["dp",], mesh, sizes)
+    setattr(mesh, _FLATTENED, flattened)
     return mesh
+
+
+def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """mesh[names], where a name may be a dimension `build_mesh` flattened (dp, or dp_shard under ep).
+
+    Slicing a flattened dimension out of the root mesh is deprecated in PyTorch, so the flattened meshes are kept
+    on the root mesh when they are made and looked up here.
+    """
+    kept = getattr(mesh, _FLATTENED, {})
+    if names in kept:
+        return kept[names]
+    return mesh[names[0]] if len(names) == 1 else mesh[names]
+
+
+# Attribute of a root mesh holding the meshes build_mesh flattened from it, keyed by their dimension names.
+_FLATTENED = "_forge_flattened"
+
+
+def _unflatten(dp: DeviceMesh, root: DeviceMesh, sizes: tuple[int, int]) -> DeviceMesh:
+    """The 2-D (dp_replicate, dp_shard) mesh whose dp_shard is itself flattened from (dp_shard_mod_ep, ep)."""
+    if hasattr(dp, "_unflatten"):  # PyTorch >= 2.10
+        return dp._unflatten(0, sizes, ("dp_replicate", "dp_shard"))
+    return root["dp_replicate", "dp_shard"]
 
 
 def dp_dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -62,8 +90,8 @@ def has_dp_shard(mesh: DeviceMesh | None) -> bool:
 def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2 shards expert weights over: dp_shard_mod_ep, with dp_replicate in front for HSDP."""
     if "dp_replicate" in (mesh.mesh_dim_names or ()):
-        return mesh["dp_replicate", "dp_shard_mod_ep"]
-    return mesh["dp_shard_mod_ep"]
+        return submesh(mesh, "dp_replicate", "dp_shard_mod_ep")
+    return submesh(mesh, "dp_shard_mod_ep")
 
 
 def dp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
@@ -73,7 +101,7 @@ def dp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     dims = dp_dim_names(mesh)
     if not dims:
         return None
-    return mesh["dp"] if len(dims) > 1 else mesh[dims[0]]
+    return submesh(mesh, "dp" if len(dims) > 1 else dims[0])
 
 
 def dp_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from forge.model.moe import moe_layers
 from forge.parallel.degrees import Degrees
 from forge.parallel.expert import shard_experts, sum_load_over
-from forge.parallel.mesh import dp_mesh, expert_fsdp_mesh, has_dp_shard
+from forge.parallel.mesh import dp_mesh, expert_fsdp_mesh, has_dp_shard, submesh
 from forge.parallel.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger("forge")
@@ -128,9 +128,9 @@ def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The mesh FSDP2 shards over: (dp_replicate, dp_shard) for HSDP and DDP, dp_shard for FSDP, else None."""
     names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
     if "dp_replicate" in names:
-        return mesh["dp_replicate", "dp_shard"]
+        return submesh(mesh, "dp_replicate", "dp_shard")
     if has_dp_shard(mesh):
-        return mesh["dp_shard"]
+        return submesh(mesh, "dp_shard")
     return None
 
 

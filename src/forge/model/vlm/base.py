@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from forge.model.args import TransformerArgs
-from forge.model.transformer import Transformer
+from forge.model.transformer import KVCache, Transformer
 from forge.model.vlm.connector import build_connector, init_connector
 from forge.model.vlm.encoder import VisionTower, build_tiny_encoder, load_vision_tower
 
@@ -27,18 +27,46 @@ def time_embedding(times: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.nn.functional.pad(emb, (0, dim - 2 * half))
 
 
-def causal_key_mask(key_valid: torch.Tensor) -> torch.Tensor:
-    """(batch, seq) valid keys -> (batch, 1, seq, seq) causal attention mask; every position sees itself, so a
-    padded position's row is never empty (its output is discarded)."""
-    seq = key_valid.shape[1]
-    idx = torch.arange(seq, device=key_valid.device)
-    causal = idx[None, :] <= idx[:, None]
-    return ((causal[None] & key_valid[:, None, :]) | torch.eye(seq, dtype=torch.bool, device=key_valid.device))[:, None]
+def causal_key_mask(key_valid: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+    """(batch, keys) valid keys -> (batch, 1, queries, keys) causal attention mask of the last `queries` positions
+    (all of them by default); every position sees itself, so a padded position's row is never empty (its output is
+    discarded)."""
+    keys = key_valid.shape[1]
+    queries = keys if queries is None else queries
+    key_pos = torch.arange(keys, device=key_valid.device)
+    query_pos = torch.arange(keys - queries, keys, device=key_valid.device)
+    causal = key_pos[None, :] <= query_pos[:, None]
+    itself = key_pos[None, :] == query_pos[:, None]
+    return ((causal[None] & key_valid[:, None, :]) | itself[None])[:, None]
+
+
+class VLMCache(KVCache):
+    """A KV cache for generation with a VLM, plus what the later steps need from the prefill: which cached keys
+    are real (padded frames' visual tokens are not), and the visual tokens themselves (for cross-attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.key_valid: torch.Tensor | None = None
+        self.visual: torch.Tensor | None = None
+        self.visual_valid: torch.Tensor | None = None
+
+    def extend_keys(self, new: int) -> torch.Tensor:
+        """Mark `new` text positions as valid keys; return the (batch, 1, new, keys) mask of those positions."""
+        assert self.key_valid is not None, "prefill first"
+        ones = torch.ones(self.key_valid.shape[0], new, dtype=torch.bool, device=self.key_valid.device)
+        self.key_valid = torch.cat([self.key_valid, ones], dim=1)
+        return causal_key_mask(self.key_valid, new)
 
 
 class VisionLanguageModel(nn.Module):
     """Base of the strategies: subclasses define `forward(tokens, pixels, frame_mask, frame_times) -> logits` over
-    the text positions and may add parameters in `__init__` and `init_extra_weights`."""
+    the text positions and may add parameters in `__init__` and `init_extra_weights`.
+
+    Strategies with `supports_kv_cache` also define `prefill` (forward that fills a VLMCache) and `decode` (logits
+    of new text tokens from the cache alone), so generation feeds only the new token at each step.
+    """
+
+    supports_kv_cache = True
 
     def __init__(
         self,
@@ -154,15 +182,40 @@ class VisionLanguageModel(nn.Module):
     def rope(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decoder.rope_cos[:seq], self.decoder.rope_sin[:seq]
 
+    def rope_at(self, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables of positions start .. start + seq - 1."""
+        end = start + seq
+        if end > self.decoder.rope_cos.shape[0]:
+            raise ValueError(f"{end} positions exceed the text model's max_seq_len={self.decoder.rope_cos.shape[0]}")
+        return self.decoder.rope_cos[start:end], self.decoder.rope_sin[start:end]
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.decoder.output(self.decoder.norm(h))
+
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        pixels: torch.Tensor,
+        frame_mask: torch.Tensor,
+        frame_times: torch.Tensor | None,
+        cache: VLMCache,
+    ) -> torch.Tensor:
+        """forward(), filling an empty `cache` for `decode`."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV cache")
+
+    def decode(self, tokens: torch.Tensor, cache: VLMCache) -> torch.Tensor:
+        """Logits (batch, seq, vocab) of text tokens that follow everything in `cache`, which they are appended to."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV cache")
 
 
 class PrefixVLM(VisionLanguageModel):
     """Strategies that run [visual tokens; text] as one sequence through the layers (joint decoder, MoT, MoMa):
-    subclasses give `run_block`; logits come from the text positions only."""
+    subclasses give `run_block`; logits come from the text positions only. `run_block` sees the first n_visual
+    positions of h as visual tokens (0 when decoding text from a cache)."""
 
-    def run_block(self, key: str, block, h, n_visual: int, valid, cos, sin, mask) -> torch.Tensor:
+    def run_block(
+        self, key: str, block, h, n_visual: int, valid, cos, sin, mask, cache: KVCache | None = None
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(
@@ -172,12 +225,30 @@ class PrefixVLM(VisionLanguageModel):
         frame_mask: torch.Tensor,
         frame_times: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        return self._prefix_forward(tokens, pixels, frame_mask, frame_times, None)
+
+    def prefill(self, tokens, pixels, frame_mask, frame_times, cache: VLMCache) -> torch.Tensor:
+        return self._prefix_forward(tokens, pixels, frame_mask, frame_times, cache)
+
+    def _prefix_forward(self, tokens, pixels, frame_mask, frame_times, cache: VLMCache | None) -> torch.Tensor:
         visual, valid = self.encode_media(pixels, frame_mask, frame_times)
         text = self.decoder.tok_embeddings(tokens)
         n_visual = visual.shape[1]
         h = torch.cat([visual.to(text.dtype), text], dim=1)
-        mask = causal_key_mask(torch.cat([valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1))
+        key_valid = torch.cat([valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1)
+        mask = causal_key_mask(key_valid)
         cos, sin = self.rope(h.shape[1])
         for key, block in self.decoder.layers.items():
-            h = self.run_block(key, block, h, n_visual, valid, cos, sin, mask)
+            h = self.run_block(key, block, h, n_visual, valid, cos, sin, mask, cache)
+        if cache is not None:
+            cache.key_valid = key_valid
         return self.head(h[:, n_visual:])
+
+    def decode(self, tokens: torch.Tensor, cache: VLMCache) -> torch.Tensor:
+        h = self.decoder.tok_embeddings(tokens)
+        cos, sin = self.rope_at(cache.length, tokens.shape[1])
+        mask = cache.extend_keys(tokens.shape[1])
+        no_visual = mask.new_zeros(tokens.shape[0], 0)
+        for key, block in self.decoder.layers.items():
+            h = self.run_block(key, block, h, 0, no_visual, cos, sin, mask, cache)
+        return self.head(h)

@@ -8,7 +8,7 @@ from torch import nn
 
 from forge.model.args import TransformerArgs
 from forge.model.transformer import FeedForward
-from forge.model.vlm.base import VisionLanguageModel
+from forge.model.vlm.base import VisionLanguageModel, VLMCache
 
 
 class GatedCrossAttentionBlock(nn.Module):
@@ -78,11 +78,26 @@ class CrossAttentionVLM(VisionLanguageModel):
         frame_times: torch.Tensor | None = None,
     ) -> torch.Tensor:
         visual, valid = self.encode_media(pixels, frame_mask, frame_times)
-        h = self.decoder.tok_embeddings(tokens)
+        return self._run(self.decoder.tok_embeddings(tokens), visual, valid, None, None)
+
+    def prefill(self, tokens, pixels, frame_mask, frame_times, cache: VLMCache) -> torch.Tensor:
+        visual, valid = self.encode_media(pixels, frame_mask, frame_times)
+        cache.visual, cache.visual_valid = visual, valid
+        cache.key_valid = torch.ones_like(tokens, dtype=torch.bool)
+        return self._run(self.decoder.tok_embeddings(tokens), visual, valid, None, cache)
+
+    def decode(self, tokens: torch.Tensor, cache: VLMCache) -> torch.Tensor:
+        start = cache.length
+        mask = cache.extend_keys(tokens.shape[1])
+        return self._run(self.decoder.tok_embeddings(tokens), cache.visual, cache.visual_valid, mask, cache, start)
+
+    def _run(self, h, visual, valid, mask, cache: VLMCache | None, start: int = 0) -> torch.Tensor:
+        """The text stream through the blocks (self-attention over the cache, if any; causal when mask is None)
+        and the gated cross-attention to the visual tokens."""
         visual = visual.to(h.dtype)
-        cos, sin = self.rope(h.shape[1])
+        cos, sin = self.rope_at(start, h.shape[1])
         for key, block in self.decoder.layers.items():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, mask, cache)
             if key in self.cross_layers:
                 h = self.cross_layers[key](h, visual, valid)
         return self.head(h)

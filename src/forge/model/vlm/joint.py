@@ -8,5 +8,5 @@ from forge.model.vlm.base import PrefixVLM
 class JointDecoderVLM(PrefixVLM):
     """Visual tokens, then text, through the decoder's blocks; logits (and so the loss) on the text only."""
 
-    def run_block(self, key: str, block, h, n_visual: int, valid, cos, sin, mask) -> torch.Tensor:
-        return block(h, cos, sin, mask)
+    def run_block(self, key: str, block, h, n_visual: int, valid, cos, sin, mask, cache=None) -> torch.Tensor:
+        return block(h, cos, sin, mask, cache)

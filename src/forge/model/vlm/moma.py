@@ -15,7 +15,7 @@ from torch import nn
 
 from forge.model.args import TransformerArgs
 from forge.model.transformer import FeedForward, TransformerBlock
-from forge.model.vlm.base import PrefixVLM
+from forge.model.vlm.base import PrefixVLM, VisionLanguageModel
 
 
 class ExpertChoiceGroup(nn.Module):
@@ -58,7 +58,15 @@ class MoMaLayer(nn.Module):
 
 
 class MoMaVLM(PrefixVLM):
-    """Visual tokens then text through shared attention; FFNs replaced by per-modality expert-choice groups."""
+    """Visual tokens then text through shared attention; FFNs replaced by per-modality expert-choice groups.
+
+    No KV cache: expert choice ranks the tokens of the whole sequence, so a new token can change how the earlier
+    ones were routed, and generation recomputes the sequence at each step.
+    """
+
+    supports_kv_cache = False
+    prefill = VisionLanguageModel.prefill  # both raise
+    decode = VisionLanguageModel.decode
 
     def __init__(
         self,
@@ -91,7 +99,9 @@ class MoMaVLM(PrefixVLM):
             layer.text.init_weights(std, out_std)
             layer.image.init_weights(std, out_std)
 
-    def run_block(self, key: str, block: TransformerBlock, h, n_visual: int, valid, cos, sin, mask) -> torch.Tensor:
+    def run_block(
+        self, key: str, block: TransformerBlock, h, n_visual: int, valid, cos, sin, mask, cache=None
+    ) -> torch.Tensor:
         layer = self.moma_layers[key]
         h = h + block.attention(block.attention_norm(h), cos, sin, mask, layer_id=block.layer_id)
         x = block.ffn_norm(h)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge.model.args import TransformerArgs
-from forge.model.transformer import TransformerBlock, _rotate
+from forge.model.transformer import KVCache, TransformerBlock, _rotate
 from forge.model.vlm.base import PrefixVLM
 
 
@@ -18,8 +18,10 @@ def mot_block(
     cos: torch.Tensor,
     sin: torch.Tensor,
     mask: torch.Tensor,
+    cache: KVCache | None = None,
 ) -> torch.Tensor:
-    """One layer: the first n_visual positions use `image`'s parameters, the rest `text`'s; attention is global."""
+    """One layer: the first n_visual positions use `image`'s parameters, the rest `text`'s; attention is global
+    (over the cached positions too, with a cache)."""
     batch, seq, _ = h.shape
     ta, ia = text.attention, image.attention
     xv, xt = image.attention_norm(h[:, :n_visual]), text.attention_norm(h[:, n_visual:])
@@ -33,6 +35,8 @@ def mot_block(
         k = torch.cat([ia.k_norm(k[:, :n_visual]), ta.k_norm(k[:, n_visual:])], dim=1)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if cache is not None:
+        k, v = cache.update(text.layer_id, k, v)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     out = out.transpose(1, 2).reshape(batch, seq, -1)
     h = h + torch.cat([ia.wo(out[:, :n_visual]), ta.wo(out[:, n_visual:])], dim=1)
@@ -62,5 +66,5 @@ class MoTVLM(PrefixVLM):
         for block in self.image_layers.values():
             block.init_weights(std, out_std)
 
-    def run_block(self, key: str, block, h, n_visual: int, valid, cos, sin, mask) -> torch.Tensor:
-        return mot_block(block, self.image_layers[key], h, n_visual, cos, sin, mask)
+    def run_block(self, key: str, block, h, n_visual: int, valid, cos, sin, mask, cache=None) -> torch.Tensor:
+        return mot_block(block, self.image_layers[key], h, n_visual, cos, sin, mask, cache)
