@@ -15,6 +15,7 @@ BENCHMARKS = [
     ["checkpoint/save_stall.py"],
     ["moe/moe_vs_dense.py"],
     ["vlm/strategies.py"],
+    ["vlm/generate_cache.py"],
 ]
 
 
