@@ -82,6 +82,26 @@ def test_mismatching_checkpoint_names_the_key(tmp_path):
         Trainer(compose(shallower), tmp_path / "d")
 
 
+def test_resume_refuses_another_batch_seq_len_seed_or_optimizer_naming_each_key(tmp_path):
+    Trainer(compose([*TINY, "checkpoint.interval=4", "train.steps=4"]), tmp_path / "a").fit()
+    saved = tmp_path / "a/checkpoints/step-00000004"
+    changes = {
+        "train.global_batch_size=8": r"train.global_batch_size=8 \(the checkpoint has 4\)",
+        "train.seq_len=16": r"train.seq_len=16 \(the checkpoint has 32\)",
+        "train.seed=7": r"train.seed=7 \(the checkpoint has 1234\)",
+        "optimizer=lion": r"optimizer._target_=forge.train.optimizers.lion.Lion",
+    }
+    for override, message in changes.items():
+        with pytest.raises(CheckpointError, match=message) as err:
+            Trainer(compose([*TINY, override, f"checkpoint.resume={saved}"]), tmp_path / "b")
+        assert f"checkpoint.load_weights={saved}" in str(err.value)
+    # What may change: the length of the run, the micro batch, the layout.
+    resumed = Trainer(
+        compose([*TINY, "train.steps=6", "train.micro_batch_size=1", f"checkpoint.resume={saved}"]), tmp_path / "c"
+    )
+    assert resumed.state.step == 4
+
+
 def test_corrupt_or_missing_files_are_named(tmp_path):
     Trainer(compose([*TINY, "checkpoint.interval=12"]), tmp_path / "a").fit()
     ckpt = tmp_path / "a/checkpoints/step-00000012"

@@ -12,9 +12,11 @@ schedule, ep) and micro_batch_size. The restored model and optimizer equal the s
 losses equal the uninterrupted run's up to the new layout's summation order. Tested (tests/checkpoint/
 test_reshard.py): FSDP over 4 ranks into FSDP over 2, TP 2 x FSDP 2, one process and interleaved 1F1B over pp 2
 (whose two stages per rank are also saved under the whole model's names); a 1F1B pp 2 checkpoint resumed in one
-process was checked by hand; DDP/HSDP and ep go through the same DCP path but are not tested here.
+process was checked by hand; HSDP 2 x 2 and DDP over 2 are tested too, and an ep=2 checkpoint resumes at ep=4
+(tests/parallel/test_expert_plan.py).
 Must not change: the model config, train.global_batch_size, train.seq_len, train.seed, the data, and the optimizer
-and scheduler kinds (DCP refuses mismatched keys or shapes; the loader refuses another seed). RNG states are per
+and scheduler kinds (DCP refuses mismatched keys or shapes; forge.checkpoint.resume_check refuses the others but the
+model and the data, naming each changed key). RNG states are per
 rank and are restored only at the same world size (nothing in training draws from them today: no dropout).
 """
 
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -47,6 +50,7 @@ from forge.checkpoint.layout import (
     step_dir,
     step_of,
 )
+from forge.checkpoint.resume_check import check_resume_config
 from forge.checkpoint.rng import rng_state, set_rng_state
 from forge.checkpoint.stages import rename, whole_model_keys, whole_model_names
 
@@ -220,6 +224,8 @@ class Checkpointer:
         """Restore model, optimizer, scheduler, loader and RNG from a complete checkpoint."""
         if not is_complete(path):
             raise CheckpointError(f"checkpoint {path} is incomplete")
+        if self.config_yaml:
+            check_resume_config(path, OmegaConf.create(self.config_yaml))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         names = whole_model_names(model, model_sd)
         model_sd, optim_sd = rename(model_sd, optim_sd, names)
