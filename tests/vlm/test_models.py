@@ -195,3 +195,36 @@ def test_moma_has_no_kv_cache_and_says_so(text_args, encoders):
     tokens, pixels, mask, times = media()
     with pytest.raises(NotImplementedError, match="MoMaVLM has no KV cache"):
         model.prefill(tokens, pixels, mask, times, VLMCache())
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_activation_checkpointing_recomputes_each_layer_and_keeps_the_gradients(strategy, mode, text_args, encoders):
+    """parallel.activation_checkpoint for a VLM wraps the strategy's run_block: the layers run again in backward
+    (MoT and MoMa never call a block's own forward, so wrapping blocks would recompute nothing) and the gradients
+    equal those of the plain model."""
+    import copy
+
+    from forge.parallel.vlm import parallelize_vlm
+
+    plain = build(STRATEGIES[strategy], text_args, encoders["clip"]).train()
+    if strategy == "cross_attention":
+        for block in plain.cross_layers.values():
+            block.attn_gate.data.fill_(0.5)
+    wrapped = parallelize_vlm(copy.deepcopy(plain), None, mode)
+    tokens, pixels, mask, times = media(frames=3, valid=2)
+    targets = torch.randint(0, 97, tokens.shape, generator=torch.Generator().manual_seed(1))
+    grads, calls = {}, {}
+    for name, model in (("plain", plain), ("wrapped", wrapped)):
+        count = [0]
+        # A pre-hook: recomputation stops as soon as it has every saved tensor back, before the FFN's end.
+        ffn = model.decoder.layers["1"].feed_forward
+        ffn.register_forward_pre_hook(lambda *_, count=count: count.__setitem__(0, count[0] + 1))
+        logits = model(tokens, pixels, mask, times)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        calls[name] = count[0]
+    assert calls == {"plain": 1, "wrapped": 2}
+    assert sorted(grads["plain"]) == sorted(grads["wrapped"]) and len(grads["plain"]) > 10
+    for name, grad in grads["plain"].items():
+        torch.testing.assert_close(grads["wrapped"][name], grad, rtol=1e-6, atol=1e-7, msg=name)

@@ -62,10 +62,12 @@ def test_resume_across_a_freeze_change_is_bitwise_and_the_schedule_is_checked(tm
 @pytest.mark.slow
 def test_two_rank_fsdp_matches_one_process(tmp_path):
     # The trainer's loss is the mean of micro-batch means (answer tokens per sample vary), so the one-process
-    # reference accumulates the same two micro-batches of 4 that the two ranks take.
-    run = ["vlm=joint_decoder", "train.steps=4", "vlm.train_encoder_from_step=2", "train.micro_batch_size=4"]
+    # reference accumulates the same two micro-batches of 4 that the two ranks take. MoT, with activation
+    # checkpointing on the two ranks: its FSDP units (projections, FFNs) are unsharded again when a layer is
+    # recomputed in backward.
+    run = ["vlm=mot", "train.steps=4", "vlm.train_encoder_from_step=2", "train.micro_batch_size=4"]
     single = train(str(tmp_path / "one"), *run)
-    two = launch(train, 2, str(tmp_path / "two"), *run, "parallel=fsdp")
+    two = launch(train, 2, str(tmp_path / "two"), *run, "parallel=fsdp", "parallel.activation_checkpoint=full")
     assert sorted(two[0]["losses"]) == [1, 2, 3, 4]
     assert two[0]["sharded"] == {"decoder": True, "encoder": True}  # the schedule trains the tower: sharded too
     assert single["sharded"] == {"decoder": False, "encoder": False}

@@ -103,14 +103,19 @@ def apply_float8(model: nn.Module, degrees: Degrees) -> None:
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """Wrap every block: `full` recomputes the whole block in backward, `selective` keeps matmul and attention
     outputs and recomputes the rest."""
-    kwargs = {}
-    if mode == "selective":
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
-    elif mode != "full":
-        raise ValueError(f"parallel.activation_checkpoint={mode!r} is not one of none, full, selective")
+    kwargs = checkpoint_options(mode)
     for key, block in model.layers.items():
         model.layers[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
     log.info("activation checkpointing (%s) of %d blocks", mode, len(model.layers))
+
+
+def checkpoint_options(mode: str) -> dict:
+    """Keyword arguments of a non-reentrant checkpoint for `full` or `selective` activation checkpointing."""
+    if mode == "selective":
+        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
+    if mode != "full":
+        raise ValueError(f"parallel.activation_checkpoint={mode!r} is not one of none, full, selective")
+    return {}
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -3,22 +3,31 @@
 Each strategy names its FSDP units (`fsdp_units`): modules whose forward it calls, so each unshards when used.
 A vision tower frozen for the whole run is left out of FSDP (every rank holds it whole, nothing to reduce);
 one that the freeze schedule trains at some step is sharded like the rest.
+
+Activation checkpointing recomputes each strategy's per-layer forward, `run_block`: MoT and MoMa call the parts of
+the decoder's blocks (projections, FFNs, expert groups), never a block's own forward, so wrapping the blocks as the
+text plan does would checkpoint nothing.
 """
 
+import functools
 import logging
+from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
 
-from forge.parallel.plan import apply_activation_checkpointing, fsdp_mesh
+from forge.parallel.plan import checkpoint_options, fsdp_mesh
 
 log = logging.getLogger("forge")
 
 
 def parallelize_vlm(model: nn.Module, mesh: DeviceMesh | None, activation_checkpoint: str = "none") -> nn.Module:
     if activation_checkpoint != "none":
-        apply_activation_checkpointing(model.decoder, activation_checkpoint)
+        model.run_block = checkpointed(model.run_block, activation_checkpoint)
+        log.info("activation checkpointing (%s) of each layer's run_block", activation_checkpoint)
     shard_mesh = fsdp_mesh(mesh)
     if shard_mesh is None:
         return model
@@ -34,3 +43,17 @@ def parallelize_vlm(model: nn.Module, mesh: DeviceMesh | None, activation_checkp
     frozen = "replicated (frozen)" if ignored else "sharded (trained by the schedule)"
     log.info("FSDP over %d ranks: %d units and the root; vision tower %s", shard_mesh.size(), len(units), frozen)
     return model
+
+
+def checkpointed(layer: Callable, mode: str) -> Callable:
+    """`layer` recomputed in backward (`full`), or all but its matmuls and attention (`selective`); plain under
+    no_grad (evaluation, generation)."""
+    options = checkpoint_options(mode)
+
+    @functools.wraps(layer)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return layer(*args, **kwargs)
+        return checkpoint(layer, *args, use_reentrant=False, **options, **kwargs)
+
+    return run

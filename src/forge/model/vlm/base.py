@@ -62,8 +62,10 @@ class VisionLanguageModel(nn.Module):
     """Base of the strategies: subclasses define `forward(tokens, pixels, frame_mask, frame_times) -> logits` over
     the text positions and may add parameters in `__init__` and `init_extra_weights`.
 
-    Strategies with `supports_kv_cache` also define `prefill` (forward that fills a VLMCache) and `decode` (logits
-    of new text tokens from the cache alone), so generation feeds only the new token at each step.
+    Every strategy runs its layers through a method `run_block(key, block, h, ...)`, which the parallel plan wraps
+    for activation checkpointing. Strategies with `supports_kv_cache` also define `prefill` (forward that fills a
+    VLMCache) and `decode` (logits of new text tokens from the cache alone), so generation feeds only the new token
+    at each step.
     """
 
     supports_kv_cache = True

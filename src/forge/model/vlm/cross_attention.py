@@ -97,7 +97,12 @@ class CrossAttentionVLM(VisionLanguageModel):
         visual = visual.to(h.dtype)
         cos, sin = self.rope_at(start, h.shape[1])
         for key, block in self.decoder.layers.items():
-            h = block(h, cos, sin, mask, cache)
-            if key in self.cross_layers:
-                h = self.cross_layers[key](h, visual, valid)
+            h = self.run_block(key, block, h, visual, valid, cos, sin, mask, cache)
         return self.head(h)
+
+    def run_block(self, key: str, block, h, visual, valid, cos, sin, mask, cache=None) -> torch.Tensor:
+        """One decoder block, then its gated cross-attention block if it has one."""
+        h = block(h, cos, sin, mask, cache)
+        if key in self.cross_layers:
+            h = self.cross_layers[key](h, visual, valid)
+        return h
