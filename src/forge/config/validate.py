@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from forge.config.errors import ConfigError
 from forge.parallel.env import read_dist_env
@@ -148,6 +148,58 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         )
 
 
+def validate_required(cfg: DictConfig) -> None:
+    """Every mandatory (???) value is set: named all at once, before an interpolation trips over one of them."""
+    missing = sorted(_missing(OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)))
+    hints = {
+        "data.path": "the folder forge-prepare-data wrote",
+        "data.vocab_size": "the tokenizer's vocabulary size: vocab_size in the data folder's meta.json",
+    }
+    _require(
+        not missing,
+        "required config value(s) not set: "
+        + ", ".join(f"{key} ({hints[key]})" if key in hints else key for key in missing),
+    )
+
+
+def _missing(node, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [key for name, value in node.items() for key in _missing(value, f"{prefix}{name}.")]
+    return [prefix.rstrip(".")] if node == "???" else []
+
+
+def validate_optimizer_and_schedule(cfg: DictConfig) -> None:
+    """Values torch would refuse only once the optimizer is built (or, for the schedule, never)."""
+    opt, sched = cfg.optimizer, cfg.scheduler
+    if "weight_decay" in opt:
+        _require(opt.weight_decay >= 0, f"optimizer.weight_decay={opt.weight_decay} must be >= 0")
+    if "eps" in opt:
+        _require(opt.eps > 0, f"optimizer.eps={opt.eps} must be positive")
+    if "betas" in opt:
+        betas = list(opt.betas)
+        _require(
+            len(betas) == 2 and all(0 <= b < 1 for b in betas),
+            f"optimizer.betas={betas} must be two numbers in [0, 1)",
+        )
+    if "momentum" in opt:
+        _require(0 <= opt.momentum < 1, f"optimizer.momentum={opt.momentum} must be in [0, 1)")
+    if "min_lr_ratio" in sched:
+        ratio = sched.min_lr_ratio
+        _require(0 <= ratio <= 1, f"scheduler.min_lr_ratio={ratio} must be in [0, 1] (a fraction of optimizer.lr)")
+    if "decay_fraction" in sched:
+        fraction = sched.decay_fraction
+        _require(0 < fraction <= 1, f"scheduler.decay_fraction={fraction} must be in (0, 1]")
+
+
+def validate_metrics(cfg: DictConfig) -> None:
+    from forge.metrics.logger import CONSOLE_MODES
+    from forge.metrics.trackers.base import TRACKER_NAMES
+
+    _one_of("metrics.console", cfg.metrics.console, CONSOLE_MODES)
+    for name in cfg.metrics.trackers:
+        _one_of("metrics.trackers", name, tuple(TRACKER_NAMES))
+
+
 def validate_checkpoint(cfg: DictConfig) -> None:
     ckpt = cfg.checkpoint
     _one_of("checkpoint.async_mode", ckpt.async_mode, ASYNC_MODES)
@@ -237,10 +289,13 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
 
     if world_size is None:
         world_size = cfg.parallel.world_size or read_dist_env().world_size
+    validate_required(cfg)
     validate_model(cfg.model)
     degrees = resolve_degrees(cfg.parallel, world_size)
     validate_train(cfg, degrees)
     validate_parallel(cfg, degrees)
+    validate_optimizer_and_schedule(cfg)
+    validate_metrics(cfg)
     validate_checkpoint(cfg)
     validate_resilience(cfg)
     validate_fault_injection(cfg, world_size)
