@@ -137,3 +137,41 @@ def test_eval_captures_activations(run_dir, tmp_path):
     acts = load_file(str(path))
     assert set(acts) == {"layers.0", "layers.1", "norm"}
     assert acts["layers.1"].shape == (8, 32, 64)
+
+
+def test_generate_takes_a_prompt_as_typed_and_a_bracketed_one_as_a_list():
+    from forge.generate.cli import split_prompts
+
+    assert split_prompts(["checkpoint=x", "prompt=ROMEO:", "top_k=3"]) == (["checkpoint=x", "top_k=3"], ["ROMEO:"])
+    assert split_prompts(["prompt=3"])[1] == ["3"]
+    assert split_prompts(["prompt=key: value"])[1] == ["key: value"]
+    assert split_prompts(["prompt=[KING., QUEEN.]"])[1] == ["KING.", "QUEEN."]
+    assert split_prompts(["checkpoint=x"]) == (["checkpoint=x"], None)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("top_p=0", "top_p=0.0 must be in (0, 1]"),
+        ("max_new_tokens=-3", "max_new_tokens=-3 must be at least 1"),
+        ("temperature=-1", "temperature=-1.0 must be >= 0"),
+        ("top_k=-2", "top_k=-2 must be >= 0"),
+        ("format=xml", "format='xml' is not one of text, jsonl"),
+    ],
+)
+def test_generate_refuses_impossible_sampling_options_before_loading(tmp_path, option, message):
+    from forge.generate.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([f"checkpoint={tmp_path / 'never-read'}", "prompt=x", option])
+    assert str(exit_.value).startswith(f"forge-generate: {message}")
+
+
+def test_eval_refuses_zero_sizes_and_a_seq_len_beyond_the_model(run_dir):
+    folder, _ = run_dir
+    result = run("forge.generate.evaluate", f"checkpoint={folder}", "batches=0")
+    assert result.returncode == 1 and "forge-eval: batches=0 must be at least 1" in result.stderr
+    result = run("forge.generate.evaluate", f"checkpoint={folder}", "seq_len=4096")
+    assert result.returncode == 1 and "seq_len=4096 exceeds the model's max_seq_len=" in result.stderr
+    result = run("forge.generate.evaluate", f"checkpoint={folder}", "data=memmap", "data_overrides=[data.path=/nope]")
+    assert result.returncode == 1 and "data.vocab_size" in result.stderr and "Traceback" not in result.stderr

@@ -148,9 +148,10 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         )
 
 
-def validate_required(cfg: DictConfig) -> None:
-    """Every mandatory (???) value is set: named all at once, before an interpolation trips over one of them."""
-    missing = sorted(_missing(OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)))
+def validate_required(cfg: DictConfig, prefix: str = "") -> None:
+    """Every mandatory (???) value is set: named all at once, before an interpolation trips over one of them.
+    `prefix` names the node `cfg` is (e.g. "data." for a data config on its own)."""
+    missing = sorted(_missing(OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False), prefix))
     hints = {
         "data.path": "the folder forge-prepare-data wrote",
         "data.vocab_size": "the tokenizer's vocabulary size: vocab_size in the data folder's meta.json",

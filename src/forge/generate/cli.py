@@ -27,7 +27,8 @@ class GenerateConfig:
     checkpoint: str = MISSING
     """A run directory, DCP checkpoint folder, consolidated torch/safetensors file or Hugging Face folder."""
     prompt: Any = None
-    """One prompt, or a list of prompts generated as one batch."""
+    """One prompt, taken verbatim (`prompt=ROMEO:` is the text "ROMEO:"), or a YAML list `prompt='[A, B]'` of
+    prompts generated as one batch."""
     interactive: bool = False
     """Read prompts from stdin, one per line, until end of input."""
     max_new_tokens: int = 64
@@ -71,10 +72,53 @@ def parse(argv: list[str], schema: type) -> Any:
     return cfg
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(sys.argv[1:] if argv is None else argv, GenerateConfig)
+def split_prompts(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(the other arguments, the prompts): a prompt is text as typed, unless written as a [list]. Parsed as YAML
+    like the other values, `prompt=ROMEO:` would be the mapping {ROMEO: None} and `prompt=3` a number."""
+    rest, prompts = [], None
+    for arg in argv:
+        if not arg.startswith("prompt="):
+            rest.append(arg)
+            continue
+        raw = arg.removeprefix("prompt=")
+        if raw.startswith("[") and raw.endswith("]"):
+            try:
+                parsed = OmegaConf.from_dotlist([arg]).prompt
+            except OmegaConfBaseException as err:
+                sys.exit(f"forge-generate: prompt={raw}: {err}")
+            prompts = [str(p) for p in parsed]
+        else:
+            prompts = [raw]
+    return rest, prompts
+
+
+def check_sampling(cfg) -> None:
+    """Exit naming the option when a sampling setting cannot work."""
+    problems = {
+        "max_new_tokens": cfg.max_new_tokens >= 1,
+        "temperature": cfg.temperature >= 0,
+        "top_k": cfg.top_k >= 0,
+        "top_p": 0 < cfg.top_p <= 1,
+    }
+    rules = {
+        "max_new_tokens": "must be at least 1",
+        "temperature": "must be >= 0 (0 is greedy)",
+        "top_k": "must be >= 0 (0 keeps all tokens)",
+        "top_p": "must be in (0, 1] (1 keeps all tokens)",
+    }
+    for key, ok in problems.items():
+        if not ok:
+            sys.exit(f"forge-generate: {key}={cfg[key]} {rules[key]}")
     if cfg.format not in ("text", "jsonl"):
         sys.exit(f"forge-generate: format={cfg.format!r} is not one of text, jsonl")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, prompts = split_prompts(sys.argv[1:] if argv is None else argv)
+    cfg = parse(args, GenerateConfig)
+    if prompts is not None:
+        cfg.prompt = prompts
+    check_sampling(cfg)
     device = resolve_device(cfg.device)
     if cfg.image is not None or cfg.video is not None:
         return generate_about_media(cfg, device)

@@ -13,11 +13,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig
 from torch import nn
 
 from forge.checkpoint.errors import CheckpointError
-from forge.config import compose
+from forge.config import ConfigError, compose
+from forge.config.validate import validate_required
 from forge.data.loader import TokenWindows, eval_batches
 from forge.generate.activations import capture_activations, save_activations
 from forge.generate.cli import parse
@@ -58,12 +60,25 @@ def eval_setup(cfg: EvalConfig, run_config: DictConfig | None) -> tuple[DictConf
     defaults = compose([f"data={cfg.data}", *cfg.data_overrides] if cfg.data else list(cfg.data_overrides))
     base = run_config if run_config is not None and "train" in run_config else defaults
     data = defaults.data if cfg.data or run_config is None or "data" not in run_config else run_config.data
+
+    def given_or(value: int | None, default: int) -> int:
+        return default if value is None else value
+
     return (
         data,
-        cfg.seq_len or base.train.seq_len,
-        cfg.micro_batch_size or base.train.micro_batch_size,
-        cfg.batches or base.train.eval_batches,
+        given_or(cfg.seq_len, base.train.seq_len),
+        given_or(cfg.micro_batch_size, base.train.micro_batch_size),
+        given_or(cfg.batches, base.train.eval_batches),
     )
+
+
+def check_sizes(seq_len: int, micro_batch: int, batches: int, max_seq_len: int | None) -> None:
+    """Raise ValueError naming the option that cannot work."""
+    for key, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch), ("batches", batches)):
+        if value < 1:
+            raise ValueError(f"{key}={value} must be at least 1")
+    if max_seq_len is not None and seq_len > max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}")
 
 
 def held_out_loss(
@@ -88,10 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loaded = load(cfg.checkpoint, device)
         data, seq_len, micro_batch, count = eval_setup(cfg, loaded.run_config)
+        check_sizes(seq_len, micro_batch, count, getattr(getattr(loaded.model, "args", None), "max_seq_len", None))
+        validate_required(data, "data.")
         corpus = build_corpus(data)
         document_eos = corpus.eos_id if data.get("document_masking", False) else None  # as build.document_eos
         loss = held_out_loss(loaded.model, corpus, seq_len, micro_batch, count, device, dtype, document_eos)
-    except (CheckpointError, FileNotFoundError, ValueError) as err:
+    except (CheckpointError, ConfigError, FileNotFoundError, ValueError, HydraException) as err:
+        # HydraException: a bad data=NAME or data_overrides entry, or a data error raised while instantiating
         print(f"forge-eval: {err}", file=sys.stderr)
         return 1
     windows = TokenWindows(corpus.val_tokens, seq_len)
