@@ -127,3 +127,35 @@ def test_bad_sources_exit_non_zero_naming_them(tmp_path):
     result = convert("--to", "hf", str(junk), str(tmp_path / "out"))
     assert result.returncode == 1 and "junk.pt" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_destination_is_refused_unless_overwrite_and_nothing_half_written_stays(hf_dir, tmp_path):
+    out = tmp_path / "model.pt"
+    assert convert("--to", "torch", str(hf_dir), str(out)).returncode == 0
+    before = out.read_bytes()
+    result = convert("--to", "torch", str(hf_dir), str(out))
+    assert result.returncode == 1 and f"{out} already exists" in result.stderr and "--overwrite" in result.stderr
+    assert out.read_bytes() == before
+    # A run directory as the destination of a dcp export: refused, so its own checkpoints stay what resume finds.
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    result = convert("--to", "dcp", str(hf_dir), str(run))
+    assert result.returncode == 1 and "already exists (a folder)" in result.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+    # --overwrite replaces a folder with the whole new output.
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf/stale.txt").write_text("old")
+    assert convert("--to", "hf", str(hf_dir), str(tmp_path / "hf"), "--overwrite").returncode == 0
+    assert (tmp_path / "hf/config.json").is_file() and not (tmp_path / "hf/stale.txt").exists()
+    assert not list(tmp_path.glob(".*staging*"))
+
+
+def test_a_hugging_face_folder_without_config_json_is_named(hf_dir, tmp_path):
+    import shutil
+
+    half = tmp_path / "half"
+    shutil.copytree(hf_dir, half)
+    (half / "config.json").unlink()
+    result = convert("--to", "torch", str(half), str(tmp_path / "m.pt"))
+    assert result.returncode == 1 and "no config.json" in result.stderr and str(half) in result.stderr
+    assert not (tmp_path / "m.pt").exists()

@@ -15,11 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--to", required=True, choices=FORMATS, help="output format")
     parser.add_argument("src", help="run directory, checkpoint folder, consolidated file or Hugging Face folder")
-    parser.add_argument("dst", help="output file (torch, safetensors) or folder (hf, dcp)")
+    parser.add_argument("dst", help="output file (torch, safetensors) or folder (hf, dcp); must not exist yet")
+    parser.add_argument("--overwrite", action="store_true", help="replace dst if it exists (once the output is whole)")
     args = parser.parse_args(argv)
     try:
-        convert(args.to, args.src, args.dst)
-    except CheckpointError as err:
+        convert(args.to, args.src, args.dst, overwrite=args.overwrite)
+    except (CheckpointError, OSError) as err:
         print(f"forge-convert: {err}", file=sys.stderr)
         return 1
     print(f"forge-convert: wrote {args.to} to {args.dst}")

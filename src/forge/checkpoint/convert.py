@@ -6,6 +6,7 @@ or a Hugging Face Llama or Mixtral folder. Targets: hf, dcp, torch, safetensors.
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -61,6 +62,8 @@ def load_any(source: str | Path) -> tuple[dict[str, torch.Tensor], TransformerAr
     if src.is_dir() and (src / "config.json").is_file():
         state, args = load_hf(src)
         return state, args, None
+    if src.is_dir() and any(src.glob("*.safetensors")) and not (src / "checkpoints").is_dir():
+        raise CheckpointError(f"{src} holds safetensors weights but no config.json (a Hugging Face folder needs both)")
     if src.is_file() and src.suffix == ".safetensors":
         with safe_open(str(src), framework="pt") as f:
             meta = f.metadata() or {}
@@ -123,14 +126,37 @@ def save_as(fmt: str, state: dict[str, torch.Tensor], args: TransformerArgs, dst
         raise CheckpointError(f"--to {fmt!r} is not one of {', '.join(FORMATS)}")
 
 
-def convert(fmt: str, source: str | Path, dst: str | Path) -> None:
+def convert(fmt: str, source: str | Path, dst: str | Path, overwrite: bool = False) -> None:
+    """Write `source` as `fmt` to `dst`. The output is written beside dst under a staging name and renamed into
+    place when whole, so a failure leaves nothing behind; an existing dst is refused unless `overwrite`."""
+    dst = Path(dst).expanduser()
+    if (dst.exists() or dst.is_symlink()) and not overwrite:
+        kind = "folder" if dst.is_dir() else "file"
+        raise CheckpointError(f"{dst} already exists (a {kind}): choose a new destination or pass --overwrite")
     state, args, checkpoint = load_any(source)
     if args.tie_embeddings and "output.weight" not in state:
         state["output.weight"] = state["tok_embeddings.weight"]
-    dst = Path(dst).expanduser()
-    save_as(fmt, state, args, dst)
-    if fmt == "hf":
-        _copy_tokenizer(checkpoint, Path(source), dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = dst.parent / f".{dst.name}.staging-{os.getpid()}"
+    try:
+        save_as(fmt, state, args, staging)
+        if fmt == "hf":
+            _copy_tokenizer(checkpoint, Path(source), staging)
+        if dst.is_dir() and not dst.is_symlink():
+            shutil.rmtree(dst)
+        elif dst.exists() or dst.is_symlink():
+            dst.unlink()
+        os.replace(staging, dst)
+    except BaseException:
+        _remove(staging)
+        raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
 
 
 def load_pretrained(path: str | Path) -> Transformer:
