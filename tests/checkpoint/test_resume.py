@@ -1,5 +1,6 @@
 """Save, seal, retain and resume in one process: a resumed run reproduces the uninterrupted one bit for bit."""
 
+import math
 import shutil
 
 import pytest
@@ -107,8 +108,9 @@ def test_corrupt_or_missing_files_are_named(tmp_path):
     ckpt = tmp_path / "a/checkpoints/step-00000012"
     data = next(ckpt.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match="cannot load checkpoint"):
+    with pytest.raises(CheckpointError, match="cannot load checkpoint") as err:
         Trainer(compose([*TINY, f"checkpoint.resume={ckpt}"]), tmp_path / "b")
+    assert "rank 0: " in str(err.value) and "Traceback" not in str(err.value) and "\n" not in str(err.value)
     (ckpt / ".metadata").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=".metadata"):
         Trainer(compose([*TINY, f"checkpoint.resume={ckpt}"]), tmp_path / "c")
@@ -129,3 +131,14 @@ def test_warm_start_loads_weights_only(tmp_path):
     assert not torch.equal(warm.model.layers["0"].attention.wq.weight, source.model.layers["0"].attention.wq.weight)
     assert torch.equal(warm.model.output.weight, source.model.output.weight)
     assert not warm.optimizer.state
+    typo = [*TINY, f"checkpoint.load_weights={tmp_path / 'a'}", "checkpoint.load_weights_exclude=[outptu.]"]
+    with pytest.raises(CheckpointError, match="load_weights_exclude has 'outptu.', which starts no parameter name"):
+        Trainer(compose(typo), tmp_path / "d")
+
+
+def test_a_resume_at_or_past_train_steps_says_there_is_nothing_to_train(tmp_path, caplog):
+    Trainer(compose([*TINY, "checkpoint.interval=4", "train.steps=4"]), tmp_path / "a").fit()
+    with caplog.at_level("WARNING", logger="forge"):
+        summary = Trainer(compose([*TINY, "train.steps=3", "checkpoint.resume=auto"]), tmp_path / "a").fit()
+    assert summary["steps"] == 4 and math.isnan(summary["final_loss"])
+    assert "resumed at step 4, which is not before train.steps=3: nothing to train" in caplog.text

@@ -52,6 +52,19 @@ def test_invalid_combination_exits_2_with_one_line(tmp_path):
     assert "model.dim=256" in lines[0] and "model.n_heads=5" in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
     assert_nothing_written(tmp_path)
+    assert not (tmp_path / "run").exists()  # the run directory Hydra made held nothing of ours: removed
+
+
+def test_a_data_error_is_one_line_naming_the_folder(tmp_path):
+    missing = tmp_path / "no-such-data"
+    result = run_cli(tmp_path, "data=memmap", f"data.path={missing}", "data.vocab_size=300", "model.vocab_size=300")
+    assert result.returncode == 1
+    assert (
+        result.stderr.strip().splitlines()[-1]
+        == f"forge-train: {missing} is not a prepared output (no meta.json); run forge-prepare-data"
+    )
+    assert "Traceback" not in result.stderr and "Error executing job" not in result.stderr
+    assert_nothing_written(tmp_path)
 
 
 def test_cfg_job_composes_moe_with_tp4_fsdp(tmp_path):

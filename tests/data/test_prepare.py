@@ -67,6 +67,11 @@ def test_missing_file_exits_2_naming_it_and_writes_nothing(tmp_path):
         (lambda d: (d / "p.jsonl").write_text('{"text": "x"}\n{oops\n'), {}, "p.jsonl:2: not a JSON line"),
         (lambda d: (d / "t.jsonl").write_text('{"text": "x"}\n'), {"tokenizer": "/no/such/tok"}, "/no/such/tok"),
         (lambda d: (d / "u.csv").write_text("x\n"), {}, "unknown file type"),
+        (
+            lambda d: (d / "v.jsonl").write_text('{"text": "x"}\n'),
+            {"tokenizer": "bpe", "vocab_size": 0},
+            "vocab_size=0",
+        ),
     ],
 )
 def test_bad_input_names_the_problem_and_leaves_no_output(tmp_path, make_input, overrides, message):
@@ -76,6 +81,12 @@ def test_bad_input_names_the_problem_and_leaves_no_output(tmp_path, make_input, 
     with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):
         prepare(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_an_out_dir_that_cannot_be_created_is_named(tmp_path, inputs):
+    cfg = prepare_config(inputs=[str(inputs / "a.jsonl")], out_dir="/proc/forge-out")
+    with pytest.raises(DataError, match="cannot create out_dir=/proc/forge-out"):
+        prepare(cfg)
 
 
 def test_corrupt_shard_is_named_on_reuse(tmp_path, inputs):

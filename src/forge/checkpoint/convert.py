@@ -16,7 +16,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from forge.checkpoint.errors import CheckpointError
+from forge.checkpoint.errors import CheckpointError, describe
 from forge.checkpoint.hf import load_hf, save_hf
 from forge.checkpoint.layout import mark_complete, resolve_checkpoint, step_dir
 from forge.model import Transformer, TransformerArgs
@@ -50,7 +50,7 @@ def _load_dcp(path: Path) -> tuple[dict, TransformerArgs, Path]:
     except BaseException as err:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
         if isinstance(err, KeyboardInterrupt):
             raise
-        raise CheckpointError(f"cannot load checkpoint {path}: {err}") from err
+        raise CheckpointError(f"cannot load checkpoint {path}: {describe(err)}") from err
     return state["model"], args, path
 
 

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from forge.checkpoint.compat import check_model_keys
-from forge.checkpoint.errors import CheckpointError
+from forge.checkpoint.errors import CheckpointError, describe
 from forge.checkpoint.layout import (
     complete_checkpoints,
     is_complete,
@@ -234,7 +234,7 @@ class Checkpointer:
         try:
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - name the checkpoint whatever DCP raised
-            raise CheckpointError(f"cannot load checkpoint {path}: {err}") from err
+            raise CheckpointError(f"cannot load checkpoint {path}: {describe(err)}") from err
         model_sd, optim_sd = rename(state["model"], state["optim"], {v: k for k, v in names.items()})
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         extra = self._extra(path)
@@ -262,13 +262,22 @@ class Checkpointer:
         model_sd = get_model_state_dict(model)
         names = whole_model_names(model, model_sd)
         model_sd, _ = rename(model_sd, None, names)
-        check_model_keys(path, model_sd, exclude=exclude, whole_keys=whole_model_keys(model))
+        whole = whole_model_keys(model)
+        known = whole if whole is not None else set(model_sd)
+        for prefix in exclude:
+            if not any(key.startswith(prefix) for key in known):
+                tops = sorted({key.split(".")[0] + "." for key in known})
+                raise CheckpointError(
+                    f"checkpoint.load_weights_exclude has {prefix!r}, which starts no parameter name of this model "
+                    f"(they start with {', '.join(tops)})"
+                )
+        check_model_keys(path, model_sd, exclude=exclude, whole_keys=whole)
         wanted = {k: v for k, v in model_sd.items() if not k.startswith(exclude)}
         state = {"model": wanted}
         try:
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as err:  # noqa: BLE001
-            raise CheckpointError(f"cannot load weights from {path}: {err}") from err
+            raise CheckpointError(f"cannot load weights from {path}: {describe(err)}") from err
         loaded, _ = rename(state["model"], None, {v: k for k, v in names.items()})
         set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
         log.info("warm start: weights from %s", path)

@@ -22,6 +22,9 @@ from forge.data import shards, sources
 from forge.data.sources import DataError
 from forge.data.tokenizer import eos_id_of, load_tokenizer, train_bpe
 
+MIN_BPE_VOCAB = 257
+"""A byte-level BPE holds the 256 bytes and EOS before it learns any merge."""
+
 log = logging.getLogger("forge")
 
 
@@ -130,6 +133,8 @@ def prepare(cfg) -> tuple[dict, bool]:
     """Prepare (or reuse) the output folder `cfg.out_dir`; returns (metadata, reused)."""
     if cfg.shard_tokens < 1 or cfg.batch_docs < 1:
         raise DataError(f"shard_tokens={cfg.shard_tokens} and batch_docs={cfg.batch_docs} must be positive")
+    if cfg.tokenizer == "bpe" and cfg.vocab_size < MIN_BPE_VOCAB:
+        raise DataError(f"vocab_size={cfg.vocab_size} is too small for a byte-level BPE: at least {MIN_BPE_VOCAB}")
     out = Path(cfg.out_dir).expanduser().resolve()
     documents, source_fingerprint = _documents(cfg)
     tokenizer, tokenizer_request = _tokenizer_request(cfg)
@@ -140,9 +145,12 @@ def prepare(cfg) -> tuple[dict, bool]:
         raise DataError(
             f"out_dir={out} exists and is not a prepared output (no {shards.META}); refusing to overwrite it"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.staging-{os.getpid()}"
-    staging.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as err:
+        raise DataError(f"cannot create out_dir={out}: {err.strerror or err}") from err
     try:
         meta = _build(cfg, staging, documents, tokenizer, request)
         shards.write_json_atomic(staging / shards.META, meta)

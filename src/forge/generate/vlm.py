@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 
-from forge.checkpoint.errors import CheckpointError
+from forge.checkpoint.errors import CheckpointError, describe
 from forge.checkpoint.layout import resolve_checkpoint
 from forge.data.vlm.dataset import MediaRecord
 from forge.generate.sampling import next_token
@@ -41,7 +41,7 @@ def load_vlm(source: str | Path, device: torch.device):
     try:
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except Exception as err:  # noqa: BLE001 - name the checkpoint whatever DCP raised
-        raise CheckpointError(f"cannot load VLM checkpoint {path}: {err}") from err
+        raise CheckpointError(f"cannot load VLM checkpoint {path}: {describe(err)}") from err
     model.load_state_dict(state["model"])
     processor = AutoImageProcessor.from_pretrained(model.encoder_path)
     corpus = instantiate(cfg.data, image_processor=processor, _convert_="all")

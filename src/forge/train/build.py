@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from forge.data.loader import BatchLoader, TokenWindows
+from forge.data.sources import DataError
 from forge.model import Transformer, TransformerArgs
 from forge.train.optim import param_groups
 
@@ -60,6 +61,21 @@ def build_corpus(cfg: DictConfig):
     return instantiate(cfg.data)
 
 
+def split_windows(tokens, cfg: DictConfig, split: str) -> TokenWindows:
+    """The samples of one split, or a DataError naming the split, its size and what to change."""
+    try:
+        return TokenWindows(tokens, cfg.train.seq_len)
+    except ValueError as err:
+        where = f" of data.path={cfg.data.path}" if "path" in cfg.data else ""
+        fraction = f" (data.val_fraction={cfg.data.val_fraction})" if "val_fraction" in cfg.data else ""
+        raise DataError(
+            f"the {split} split{where}{fraction} is too short for train.seq_len={cfg.train.seq_len}: {err}; "
+            "use a shorter train.seq_len"
+            + (", a larger data.val_fraction" if fraction and split == "validation" else "")
+            + " or more data"
+        ) from err
+
+
 def build_loader(cfg: DictConfig, corpus, dp_rank: int, dp_size: int):
     """The training loader of a corpus (or of a bare token array): the corpus's own (mixtures) or a BatchLoader."""
     train = cfg.train
@@ -68,7 +84,7 @@ def build_loader(cfg: DictConfig, corpus, dp_rank: int, dp_size: int):
             train.seq_len, train.micro_batch_size, train.global_batch_size, train.seed, dp_rank, dp_size
         )
     tokens = getattr(corpus, "train_tokens", corpus)
-    windows = TokenWindows(tokens, train.seq_len)
+    windows = split_windows(tokens, cfg, "training")
     return BatchLoader(
         windows,
         train.micro_batch_size,

@@ -1,16 +1,19 @@
 """`forge-train`: compose the config with Hydra, validate it, train."""
 
 import logging
+import shutil
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from forge.checkpoint.errors import CheckpointError
 from forge.config import ConfigError, conf_dir, register_schemas
 from forge.config.help import field_help
+from forge.data.sources import DataError
 from forge.train.plan_report import take_plan_flag
 
 log = logging.getLogger("forge")
@@ -39,9 +42,16 @@ def _task(cfg: DictConfig) -> None:
         summary = run(cfg)
     except ConfigError as err:
         print(f"forge-train: invalid config: {err}", file=sys.stderr)
+        remove_empty_run_dir()
         sys.exit(EXIT_CONFIG_ERROR)
     except CheckpointError as err:
         print(f"forge-train: {err}", file=sys.stderr)
+        sys.exit(1)
+    except (DataError, InstantiationException) as err:
+        cause = err.__cause__ if isinstance(err, InstantiationException) else err
+        if not isinstance(cause, DataError):
+            raise
+        print(f"forge-train: {cause}", file=sys.stderr)
         sys.exit(1)
     if summary.get("preempted"):
         from forge.launch import requeue_via_submitit
@@ -49,6 +59,20 @@ def _task(cfg: DictConfig) -> None:
 
         requeue_via_submitit()  # under submitit: requeue the job (rank 0 does not return)
         sys.exit(EXIT_PREEMPTED)
+
+
+def remove_empty_run_dir() -> None:
+    """After a config error: the run directory Hydra made holds only its own files, so nothing to keep."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+    hydra_files = {p.name for p in (run_dir / ".hydra").iterdir()} if (run_dir / ".hydra").is_dir() else set()
+    log_file = run_dir / "forge.log"
+    if (
+        entries <= {".hydra", "forge.log"}
+        and hydra_files <= {"config.yaml", "hydra.yaml", "overrides.yaml"}
+        and (not log_file.exists() or log_file.stat().st_size == 0)
+    ):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def main() -> None:

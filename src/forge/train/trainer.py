@@ -11,7 +11,7 @@ from torch import nn
 
 from forge.checkpoint import Checkpointer, RunState
 from forge.config import validate
-from forge.data.loader import TokenWindows, batch_to_device, eval_batches
+from forge.data.loader import batch_to_device, eval_batches
 from forge.metrics.logger import format_duration
 from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter
 from forge.model.moe import moe_metrics, router_losses, update_router_biases
@@ -137,7 +137,7 @@ class Trainer:
         else:
             parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device)
             build.materialize_parallel(cfg, self.model, self.device, cfg.train.seed)
-        self.val_windows = TokenWindows(self.corpus.val_tokens, cfg.train.seq_len)
+        self.val_windows = build.split_windows(self.corpus.val_tokens, cfg, "validation")
 
     def build_pipeline(self) -> Pipeline:
         """This rank's pipeline stages, parallelized and initialised as the whole model would be in one process."""
@@ -267,13 +267,20 @@ class Trainer:
 
     def _fit(self) -> dict:
         train = self.cfg.train
+        if self.state.step >= train.steps:
+            log.warning(
+                "the run resumed at step %d, which is not before train.steps=%d: nothing to train (raise train.steps "
+                "to continue it)",
+                self.state.step,
+                train.steps,
+            )
         self.model.train()
         first_val = val_loss = self.evaluate()
         if self.state.step == 0:
             self.metrics.log_eval(self.state.step, first_val)
         start = time.perf_counter()
         self.meter.restart(self.state.step, self.state.tokens_seen)
-        loss = torch.zeros(())
+        loss = torch.full((), float("nan"))  # no step run: no training loss
         while self.state.step < train.steps:
             lr = self.optimizer.param_groups[0]["lr"]  # includes a data phase's lr_scale
             self.profiler.step_started(self.state.step + 1)
