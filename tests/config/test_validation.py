@@ -107,6 +107,16 @@ def test_rule_rejects(overrides, world_size, fragments):
         assert fragment in str(err.value)
 
 
+def test_memmap_vocab_size_comes_from_the_folders_meta_json(tmp_path):
+    (tmp_path / "meta.json").write_text('{"vocab_size": 300}')
+    cfg = compose(["data=memmap", f"data.path={tmp_path}"])
+    validate(cfg, 1)
+    assert cfg.data.vocab_size == 300 and cfg.model.vocab_size == 300
+    given = compose(["data=memmap", f"data.path={tmp_path}", "data.vocab_size=299"])
+    validate(given, 1)
+    assert given.data.vocab_size == 299  # a given value is kept (the corpus then refuses the mismatch, naming both)
+
+
 def test_default_config_is_valid():
     degrees = validate(compose([]), world_size=1)
     assert degrees.dp == 1

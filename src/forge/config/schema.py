@@ -476,7 +476,8 @@ class MemmapDataConfig:
     path: str = MISSING
     """The prepared output folder (meta.json, shard_*.npy, tokenizer.json)."""
     vocab_size: int = MISSING
-    """The tokenizer's vocabulary as recorded in meta.json (checked; the model's vocab_size must be at least this)."""
+    """The tokenizer's vocabulary (unset: read from data.path/meta.json; given: checked against it). The model's
+    vocab_size must be at least this."""
     val_fraction: float = 0.01
     """Fraction of the tokens, taken from the end of the last shard, held out for validation."""
     document_masking: bool = False

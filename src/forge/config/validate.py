@@ -148,6 +148,22 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         )
 
 
+def fill_vocab_from_data_meta(data: DictConfig) -> None:
+    """data.vocab_size left unset for prepared shards (data.path): take it from the folder's meta.json, which
+    forge-prepare-data wrote (the corpus checks the two agree anyway)."""
+    import json
+    from pathlib import Path
+
+    # A key holding ??? is not `in` a DictConfig: path must be set, vocab_size a key that is missing.
+    if "path" not in data or "vocab_size" not in data.keys() or not OmegaConf.is_missing(data, "vocab_size"):  # noqa: SIM118
+        return
+    meta = Path(str(data.path)).expanduser() / "meta.json"
+    try:
+        data.vocab_size = int(json.loads(meta.read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # left unset: validate_required names it, and the corpus names the folder's problem
+
+
 def validate_required(cfg: DictConfig, prefix: str = "") -> None:
     """Every mandatory (???) value is set: named all at once, before an interpolation trips over one of them.
     `prefix` names the node `cfg` is (e.g. "data." for a data config on its own)."""
@@ -290,6 +306,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
 
     if world_size is None:
         world_size = cfg.parallel.world_size or read_dist_env().world_size
+    fill_vocab_from_data_meta(cfg.data)
     validate_required(cfg)
     validate_model(cfg.model)
     degrees = resolve_degrees(cfg.parallel, world_size)
