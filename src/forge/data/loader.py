@@ -5,6 +5,7 @@ import torch
 
 from forge.data.documents import document_ids, mask_boundary_labels
 from forge.data.order import EpochOrder
+from forge.data.sources import DataError
 
 
 def split_sample(samples: torch.Tensor, document_eos: int | None):
@@ -17,11 +18,17 @@ def split_sample(samples: torch.Tensor, document_eos: int | None):
 
 
 class TokenWindows:
-    """Non-overlapping samples of seq_len + 1 tokens (inputs and shifted labels) from a flat token array."""
+    """Non-overlapping samples of seq_len + 1 tokens (inputs and shifted labels) from a flat token array.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    With `vocab_size`, every sample read is checked to hold only ids below it (a max over a few thousand tokens),
+    so a corrupted shard is named when it is read instead of failing as an index error inside the embedding.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: int | None = None, source: str = "the tokens"):
         self.tokens = tokens
         self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.source = source
         self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise ValueError(f"{len(tokens)} tokens hold no sample of seq_len={seq_len} + 1")
@@ -31,7 +38,14 @@ class TokenWindows:
 
     def __getitem__(self, index: int) -> np.ndarray:
         start = index * self.seq_len
-        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        sample = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        if self.vocab_size is not None and (sample.max() >= self.vocab_size or sample.min() < 0):
+            bad = int(sample.max()) if sample.max() >= self.vocab_size else int(sample.min())
+            raise DataError(
+                f"{self.source}: token id {bad} at tokens {start}..{start + self.seq_len} is outside the vocabulary "
+                f"(data.vocab_size={self.vocab_size}): a corrupt shard? data.verify_checksums=true checks every shard"
+            )
+        return sample
 
 
 class BatchLoader:

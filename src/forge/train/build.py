@@ -63,10 +63,11 @@ def build_corpus(cfg: DictConfig):
 
 def split_windows(tokens, cfg: DictConfig, split: str) -> TokenWindows:
     """The samples of one split, or a DataError naming the split, its size and what to change."""
+    where = f" of data.path={cfg.data.path}" if "path" in cfg.data else ""
+    vocab = cfg.data.get("vocab_size")
     try:
-        return TokenWindows(tokens, cfg.train.seq_len)
+        return TokenWindows(tokens, cfg.train.seq_len, vocab, f"the {split} split{where}")
     except ValueError as err:
-        where = f" of data.path={cfg.data.path}" if "path" in cfg.data else ""
         fraction = f" (data.val_fraction={cfg.data.val_fraction})" if "val_fraction" in cfg.data else ""
         raise DataError(
             f"the {split} split{where}{fraction} is too short for train.seq_len={cfg.train.seq_len}: {err}; "
