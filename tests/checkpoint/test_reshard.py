@@ -1,7 +1,7 @@
 """A checkpoint of a 4-rank FSDP run resumes in other layouts with the saved state bit for bit and the same losses.
 
 One `forge-train` run under torchrun (FSDP over 4 ranks, 6 steps, checkpoints at steps 3 and 6) is both the
-checkpoint and the reference. Each other layout (HSDP 2 x 2, DDP over 2, TP 2 x FSDP 2, one process, interleaved
+checkpoint and the reference. Each other layout (HSDP 2 x 2, TP 2 x FSDP 2, one process, interleaved
 1F1B over 2 pipeline ranks) resumes from the step-3 checkpoint (tests/checkpoint/layout_worker.py): its restored
 model and optimizer, gathered to full tensors, must equal the checkpoint's contents read in this process with
 `dcp_to_torch_save`; its losses of steps 4-6 must match the uninterrupted run's; and its own step-6 checkpoint must
@@ -100,7 +100,6 @@ INTERLEAVED = ["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b", "train.m
 LAYOUTS = {
     # name: (overrides, per rank: the blocks it holds and str() of the placements of a wq weight, as tests/parallel)
     "hsdp2x2": (["parallel=hsdp"], [(ALL_BLOCKS, ["R", "S(0)"])] * 4),  # FSDP over 2, replicated twice
-    "ddp2": (["parallel=ddp"], [(ALL_BLOCKS, ["R", "S(0)"])] * 2),  # a shard dimension of size 1: full copies
     "tp2_fsdp2": (["parallel=tp2_fsdp"], [(ALL_BLOCKS, ["_S(0, 2)", "S(0)"])] * 4),
     "single": (["parallel=single"], [(ALL_BLOCKS, [])]),
     "pp2_interleaved": (INTERLEAVED, [([0, 2], []), ([1, 3], [])]),  # two stages per rank: an nn.ModuleList

@@ -10,10 +10,10 @@ position counts samples of one global order, and epochs end at global-batch boun
 at any world size, one process included, and in any parallel layout (dp_replicate, dp_shard, tp, pp with any
 schedule, ep) and micro_batch_size. The restored model and optimizer equal the saved ones bit for bit; the later
 losses equal the uninterrupted run's up to the new layout's summation order. Tested (tests/checkpoint/
-test_reshard.py): FSDP over 4 ranks into FSDP over 2, TP 2 x FSDP 2, one process and interleaved 1F1B over pp 2
-(whose two stages per rank are also saved under the whole model's names); a 1F1B pp 2 checkpoint resumed in one
-process was checked by hand; HSDP 2 x 2 and DDP over 2 are tested too, and an ep=2 checkpoint resumes at ep=4
-(tests/parallel/test_expert_plan.py).
+test_reshard.py): FSDP over 4 ranks into HSDP 2 x 2, TP 2 x FSDP 2, one process and interleaved 1F1B over pp 2
+(whose two stages per rank are also saved under the whole model's names); FSDP over 2 and DDP over 2 passed the
+same test before it was trimmed, and a 1F1B pp 2 checkpoint resumed in one process was checked by hand. An ep=2
+checkpoint resumes at ep=4 (tests/parallel/test_expert_plan.py).
 Must not change: the model config, train.global_batch_size, train.seq_len, train.seed, the data, and the optimizer
 and scheduler kinds (DCP refuses mismatched keys or shapes; forge.checkpoint.resume_check refuses the others but the
 model and the data, naming each changed key). RNG states are per
