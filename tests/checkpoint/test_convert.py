@@ -142,6 +142,9 @@ def test_an_existing_destination_is_refused_unless_overwrite_and_nothing_half_wr
     result = convert("--to", "dcp", str(hf_dir), str(run))
     assert result.returncode == 1 and "already exists (a folder)" in result.stderr
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+    # Not even with --overwrite may the destination be the source or hold it.
+    result = convert("--to", "hf", str(hf_dir), str(hf_dir.parent), "--overwrite")
+    assert result.returncode == 1 and "is or holds the source" in result.stderr and hf_dir.is_dir()
     # --overwrite replaces a folder with the whole new output.
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf/stale.txt").write_text("old")

@@ -95,7 +95,10 @@ def test_resume_refuses_another_batch_seq_len_seed_or_optimizer_naming_each_key(
     for override, message in changes.items():
         with pytest.raises(CheckpointError, match=message) as err:
             Trainer(compose([*TINY, override, f"checkpoint.resume={saved}"]), tmp_path / "b")
-        assert f"checkpoint.load_weights={saved}" in str(err.value)
+        assert f"checkpoint.resume=none checkpoint.load_weights={saved}" in str(err.value)
+    anyway = [*TINY, "train.seed=7", "checkpoint.check_resume_config=false", f"checkpoint.resume={saved}"]
+    with pytest.raises(ValueError, match="loader state was saved with seed 1234"):  # the loader's own check remains
+        Trainer(compose(anyway), tmp_path / "b")
     # What may change: the length of the run, the micro batch, the layout.
     resumed = Trainer(
         compose([*TINY, "train.steps=6", "train.micro_batch_size=1", f"checkpoint.resume={saved}"]), tmp_path / "c"

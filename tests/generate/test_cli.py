@@ -146,6 +146,8 @@ def test_generate_takes_a_prompt_as_typed_and_a_bracketed_one_as_a_list():
     assert split_prompts(["prompt=3"])[1] == ["3"]
     assert split_prompts(["prompt=key: value"])[1] == ["key: value"]
     assert split_prompts(["prompt=[KING., QUEEN.]"])[1] == ["KING.", "QUEEN."]
+    assert split_prompts(["prompt=[INST] hi [/INST]"])[1] == ["[INST] hi [/INST]"]  # not a YAML list: verbatim
+    assert split_prompts(["prompt=[ROMEO:, x]"])[1] == ["[ROMEO:, x]"]  # a list of mappings is not a prompt list
     assert split_prompts(["checkpoint=x"]) == (["checkpoint=x"], None)
 
 

@@ -130,6 +130,9 @@ def convert(fmt: str, source: str | Path, dst: str | Path, overwrite: bool = Fal
     """Write `source` as `fmt` to `dst`. The output is written beside dst under a staging name and renamed into
     place when whole, so a failure leaves nothing behind; an existing dst is refused unless `overwrite`."""
     dst = Path(dst).expanduser()
+    source_path = Path(source).expanduser().resolve()
+    if source_path == dst.resolve() or dst.resolve() in source_path.parents:
+        raise CheckpointError(f"{dst} is or holds the source {source}: write the conversion somewhere else")
     if (dst.exists() or dst.is_symlink()) and not overwrite:
         kind = "folder" if dst.is_dir() else "file"
         raise CheckpointError(f"{dst} already exists (a {kind}): choose a new destination or pass --overwrite")
@@ -142,20 +145,20 @@ def convert(fmt: str, source: str | Path, dst: str | Path, overwrite: bool = Fal
         save_as(fmt, state, args, staging)
         if fmt == "hf":
             _copy_tokenizer(checkpoint, Path(source), staging)
-        if dst.is_dir() and not dst.is_symlink():
-            shutil.rmtree(dst)
-        elif dst.exists() or dst.is_symlink():
-            dst.unlink()
+        old = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
+        if dst.exists() or dst.is_symlink():
+            os.replace(dst, old)  # set aside, removed once the new output is in place
         os.replace(staging, dst)
+        _remove(old)
     except BaseException:
         _remove(staging)
         raise
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
+    elif path.exists() or path.is_symlink():
         path.unlink()
 
 

@@ -224,7 +224,7 @@ class Checkpointer:
         """Restore model, optimizer, scheduler, loader and RNG from a complete checkpoint."""
         if not is_complete(path):
             raise CheckpointError(f"checkpoint {path} is incomplete")
-        if self.config_yaml:
+        if self.config_yaml and self.cfg.get("check_resume_config", True):
             check_resume_config(path, OmegaConf.create(self.config_yaml))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         names = whole_model_names(model, model_sd)

@@ -23,7 +23,8 @@ FIXED_ON_RESUME = (
 def check_resume_config(path: Path, current: DictConfig) -> None:
     """Raise CheckpointError naming every key of FIXED_ON_RESUME whose value differs from the checkpoint's.
 
-    Checkpoints without a config.yaml (written by other tools) are not checked.
+    Checkpoints without a config.yaml (written by other tools) are not checked, nor is train.seq_len of a VLM (its
+    loader counts records, which a cut of the text at another length does not change).
     """
     file = path / "config.yaml"
     if not file.is_file():
@@ -33,13 +34,15 @@ def check_resume_config(path: Path, current: DictConfig) -> None:
     except Exception as err:  # noqa: BLE001 - any failure to parse is a corrupt checkpoint
         raise CheckpointError(f"cannot read {file}: {err}") from err
     changed = []
-    for key in FIXED_ON_RESUME:
+    fixed = [k for k in FIXED_ON_RESUME if not (k == "train.seq_len" and current.get("vlm") is not None)]
+    for key in fixed:
         old, new = OmegaConf.select(saved, key), OmegaConf.select(current, key)
         if old is not None and old != new:
             changed.append(f"{key}={new} (the checkpoint has {old})")
     if changed:
         raise CheckpointError(
             f"cannot resume from {path}: " + "; ".join(changed) + ". A resume must keep the global batch, sequence "
-            "length, seed, optimizer and scheduler of the run it continues; to start a new run from these weights "
-            f"use checkpoint.load_weights={path} instead of checkpoint.resume"
+            "length, seed, optimizer and scheduler of the run it continues. To start a new run from these weights: "
+            f"checkpoint.resume=none checkpoint.load_weights={path} and a new hydra.run.dir; to resume anyway: "
+            "checkpoint.check_resume_config=false"
         )

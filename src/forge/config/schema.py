@@ -242,6 +242,9 @@ class CheckpointConfig:
     """Steps whose checkpoints are never deleted."""
     resume: str = "auto"
     """auto (latest complete checkpoint of the run directory), none, or a checkpoint path."""
+    check_resume_config: bool = True
+    """Refuse a resume that changes train.global_batch_size, seq_len, seed or the optimizer or scheduler kind;
+    false resumes anyway (the data position and optimizer state then mean something else)."""
     load_weights: Optional[str] = None
     """Warm start: load only model weights from this checkpoint (a run directory or a checkpoint folder)."""
     load_weights_exclude: list[str] = field(default_factory=list)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from forge.parallel.degrees import Degrees
 
 DTYPES = ("auto", "bf16", "fp32")
+MEMMAP_TARGET = "forge.data.memmap.MemmapCorpus"
 DEVICES = ("auto", "cpu", "cuda")
 ACTIVATION_CHECKPOINT = ("none", "full", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -154,24 +155,26 @@ def fill_vocab_from_data_meta(data: DictConfig) -> None:
     import json
     from pathlib import Path
 
-    # A key holding ??? is not `in` a DictConfig: path must be set, vocab_size a key that is missing.
-    if "path" not in data or "vocab_size" not in data.keys() or not OmegaConf.is_missing(data, "vocab_size"):  # noqa: SIM118
-        return
+    if data.get("_target_") != MEMMAP_TARGET or "path" not in data or not OmegaConf.is_missing(data, "vocab_size"):
+        return  # a key holding ??? is not `in` a DictConfig: path is set here
     meta = Path(str(data.path)).expanduser() / "meta.json"
     try:
         data.vocab_size = int(json.loads(meta.read_text())["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # left unset: validate_required names it, and the corpus names the folder's problem
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(
+            f"data.vocab_size is not set and cannot be read from data.path={data.path}: {meta} is missing or "
+            f"unreadable ({type(err).__name__}); give data.path a folder written by forge-prepare-data"
+        ) from err
 
 
 def validate_required(cfg: DictConfig, prefix: str = "") -> None:
     """Every mandatory (???) value is set: named all at once, before an interpolation trips over one of them.
     `prefix` names the node `cfg` is (e.g. "data." for a data config on its own)."""
     missing = sorted(_missing(OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False), prefix))
-    hints = {
-        "data.path": "the folder forge-prepare-data wrote",
-        "data.vocab_size": "the tokenizer's vocabulary size: vocab_size in the data folder's meta.json",
-    }
+    data = cfg if prefix == "data." else cfg.get("data")
+    memmap = data is not None and data.get("_target_") == MEMMAP_TARGET
+    hints = {"data.path": "the folder forge-prepare-data wrote"} if memmap else {}
+    hints["data.vocab_size"] = "the tokenizer's vocabulary size"
     _require(
         not missing,
         "required config value(s) not set: "

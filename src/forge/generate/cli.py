@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -27,8 +28,9 @@ class GenerateConfig:
     checkpoint: str = MISSING
     """A run directory, DCP checkpoint folder, consolidated torch/safetensors file or Hugging Face folder."""
     prompt: Any = None
-    """One prompt, taken verbatim (`prompt=ROMEO:` is the text "ROMEO:"), or a YAML list `prompt='[A, B]'` of
-    prompts generated as one batch."""
+    """One prompt, taken verbatim (`prompt=ROMEO:` is the text "ROMEO:"), or a YAML list of plain values
+    `prompt='[A, B]'`, prompts generated as one batch (other bracketed text, e.g. `[INST] hi [/INST]`, is one
+    prompt)."""
     interactive: bool = False
     """Read prompts from stdin, one per line, until end of input."""
     max_new_tokens: int = 64
@@ -81,15 +83,21 @@ def split_prompts(argv: list[str]) -> tuple[list[str], list[str] | None]:
             rest.append(arg)
             continue
         raw = arg.removeprefix("prompt=")
-        if raw.startswith("[") and raw.endswith("]"):
-            try:
-                parsed = OmegaConf.from_dotlist([arg]).prompt
-            except OmegaConfBaseException as err:
-                sys.exit(f"forge-generate: prompt={raw}: {err}")
-            prompts = [str(p) for p in parsed]
-        else:
-            prompts = [raw]
+        prompts = _prompt_list(raw) or [raw]
     return rest, prompts
+
+
+def _prompt_list(raw: str) -> list[str] | None:
+    """The prompts of `[A, B]` when it is a YAML list of plain values; None for any other text (e.g. `[INST] hi`)."""
+    if not (raw.startswith("[") and raw.endswith("]")):
+        return None
+    try:
+        parsed = OmegaConf.from_dotlist([f"prompt={raw}"]).prompt
+    except (OmegaConfBaseException, yaml.YAMLError):
+        return None
+    if not OmegaConf.is_list(parsed) or any(OmegaConf.is_config(p) for p in parsed):
+        return None
+    return [str(p) for p in parsed]
 
 
 def check_sampling(cfg) -> None:

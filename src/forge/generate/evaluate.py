@@ -19,7 +19,7 @@ from torch import nn
 
 from forge.checkpoint.errors import CheckpointError
 from forge.config import ConfigError, compose
-from forge.config.validate import validate_required
+from forge.config.validate import fill_vocab_from_data_meta, validate_required
 from forge.data.loader import TokenWindows, eval_batches
 from forge.generate.activations import capture_activations, save_activations
 from forge.generate.cli import parse
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load(cfg.checkpoint, device)
         data, seq_len, micro_batch, count = eval_setup(cfg, loaded.run_config)
         check_sizes(seq_len, micro_batch, count, getattr(getattr(loaded.model, "args", None), "max_seq_len", None))
+        fill_vocab_from_data_meta(data)
         validate_required(data, "data.")
         corpus = build_corpus(data)
         document_eos = corpus.eos_id if data.get("document_masking", False) else None  # as build.document_eos

@@ -74,7 +74,10 @@ def generate_vlm(
     generator = torch.Generator(device=device).manual_seed(seed)
     cache = VLMCache() if use_cache and model.supports_kv_cache else None
     out: list[int] = []
+    positions = model.decoder.rope_cos.shape[0]  # max_seq_len: the rotary table's length
     for _ in range(max_new_tokens):
+        if cache is not None and cache.length >= positions:
+            break  # the answer so far fills the text model's max_seq_len
         if cache is None:
             logits = model(torch.tensor([ids + out], device=device), pixels, mask, times)
         elif not out:

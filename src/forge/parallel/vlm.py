@@ -26,7 +26,7 @@ log = logging.getLogger("forge")
 
 def parallelize_vlm(model: nn.Module, mesh: DeviceMesh | None, activation_checkpoint: str = "none") -> nn.Module:
     if activation_checkpoint != "none":
-        model.run_block = checkpointed(model.run_block, activation_checkpoint)
+        checkpoint_layers(model, activation_checkpoint)
         log.info("activation checkpointing (%s) of each layer's run_block", activation_checkpoint)
     shard_mesh = fsdp_mesh(mesh)
     if shard_mesh is None:
@@ -45,15 +45,22 @@ def parallelize_vlm(model: nn.Module, mesh: DeviceMesh | None, activation_checkp
     return model
 
 
+def checkpoint_layers(model: nn.Module, mode: str) -> None:
+    """Swap the model's class for a subclass whose `run_block` is recomputed in backward (`full`), or all but its
+    matmuls and attention (`selective`), and runs plainly under no_grad (evaluation, generation). A subclass, as
+    FSDP2 does, rather than a function on the instance: a deepcopy then still runs its own layers."""
+    cls = type(model)
+    model.__class__ = type(f"Checkpointed{cls.__name__}", (cls,), {"run_block": checkpointed(cls.run_block, mode)})
+
+
 def checkpointed(layer: Callable, mode: str) -> Callable:
-    """`layer` recomputed in backward (`full`), or all but its matmuls and attention (`selective`); plain under
-    no_grad (evaluation, generation)."""
+    """The method `layer` under activation checkpointing (see checkpoint_layers)."""
     options = checkpoint_options(mode)
 
     @functools.wraps(layer)
-    def run(*args, **kwargs):
+    def run(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return layer(*args, **kwargs)
-        return checkpoint(layer, *args, use_reentrant=False, **options, **kwargs)
+            return layer(self, *args, **kwargs)
+        return checkpoint(layer, self, *args, use_reentrant=False, **options, **kwargs)
 
     return run

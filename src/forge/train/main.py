@@ -1,7 +1,6 @@
 """`forge-train`: compose the config with Hydra, validate it, train."""
 
 import logging
-import shutil
 import sys
 from pathlib import Path
 
@@ -64,7 +63,9 @@ def _task(cfg: DictConfig) -> None:
 def remove_empty_run_dir() -> None:
     """After a config error: the run directory Hydra made holds only its own files, so nothing to keep."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+    if not run_dir.is_dir():
+        return
+    entries = {p.name for p in run_dir.iterdir()}
     hydra_files = {p.name for p in (run_dir / ".hydra").iterdir()} if (run_dir / ".hydra").is_dir() else set()
     log_file = run_dir / "forge.log"
     if (
@@ -72,7 +73,15 @@ def remove_empty_run_dir() -> None:
         and hydra_files <= {"config.yaml", "hydra.yaml", "overrides.yaml"}
         and (not log_file.exists() or log_file.stat().st_size == 0)
     ):
-        shutil.rmtree(run_dir, ignore_errors=True)
+        for name in hydra_files:
+            (run_dir / ".hydra" / name).unlink()
+        for folder_or_file in (run_dir / ".hydra", log_file):
+            if folder_or_file.is_dir():
+                folder_or_file.rmdir()
+            elif folder_or_file.exists():
+                folder_or_file.unlink()
+        if not any(run_dir.iterdir()) and run_dir.resolve() != Path.cwd().resolve():
+            run_dir.rmdir()
 
 
 def main() -> None:
