@@ -139,3 +139,30 @@ def test_other_errors_are_left_to_the_caller():
         0: (0, "returned"),
         1: (0, "returned"),
     }
+
+
+def progress_of_rank(rank: int, rank_behind: int) -> str:
+    """Every rank reports its started steps on the board; `rank_behind` stops one step short. Returns the report."""
+    from forge.resilience.progress import ProgressBoard
+
+    board = ProgressBoard()
+    last = 5 if rank == rank_behind else 6
+    for step in range(1, last + 1):
+        board.started(step)
+    dist.barrier()
+    return board.report()
+
+
+def test_the_progress_board_names_the_rank_that_did_not_start_the_step():
+    """What a firing watchdog adds to its message: read from the job's store, no collective involved."""
+    results = fork_ranks(progress_of_rank, 3, 1, collective_timeout_s=30)
+    want = "last started step per rank: 0: 6, 1: 5, 2: 6; rank 1 did not start step 6 (stalled or dead before it)"
+    assert results == {rank: (0, want) for rank in range(3)}
+
+
+def test_progress_described_when_nobody_is_behind_or_nothing_started():
+    from forge.resilience.progress import describe
+
+    assert "every rank started step 4, so the stall is inside it" in describe({0: 4, 1: 4})
+    assert describe({0: None, 1: 3}).endswith("rank 0 did not start step 3 (stalled or dead before it)")
+    assert describe({0: None, 1: None}) == "last started step per rank: 0: -, 1: -"

@@ -54,7 +54,8 @@ def reference(tmp_path_factory):
 
 
 def test_a_stalled_rank_is_named_and_the_job_resumes_bitwise(tmp_path, reference):
-    """Rank 1 hangs before step 6: rank 0's liveness check names it (exit 77), rank 1's watchdog ends it (76).
+    """Rank 1 hangs before step 6: rank 0's liveness check names it (exit 77), rank 1's watchdog ends it (76)
+    and says, from the ranks' progress in the store, that rank 1 is the one behind.
 
     The collective timeout stays at its long default: the liveness check exists so that it can.
     """
@@ -71,6 +72,8 @@ def test_a_stalled_rank_is_named_and_the_job_resumes_bitwise(tmp_path, reference
     assert "rank 0: liveness check at step 6: rank 1 did not reach it within 2 s (stalled or dead)" in out, out[-3000:]
     assert f"exitcode  : {EXIT_PEER_LOST}" in out and f"exitcode  : {EXIT_HUNG}" in out
     assert "watchdog: rank 1, step 6 has run" in out and "_inject_stall" in out
+    # The watchdog also reads the ranks' progress from the job's store: rank 0 started step 6, rank 1 did not.
+    assert "last started step per rank: 0: 6, 1: 5; rank 1 did not start step 6 (stalled or dead before it)" in out
     assert max(losses(tmp_path)) == 5
     assert_sealed_checkpoints_are_whole(tmp_path / "checkpoints")
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000004"

@@ -11,6 +11,7 @@ from forge.resilience.hard_exit import hard_exit
 from forge.resilience.liveness import EXIT_PEER_LOST, Liveness, PeerLostError, is_collective_failure
 from forge.resilience.nonfinite import NonFiniteError, NonFinitePolicy
 from forge.resilience.preemption import PreemptionHandler
+from forge.resilience.progress import ProgressBoard
 from forge.resilience.watchdog import StepWatchdog
 
 log = logging.getLogger("forge")
@@ -29,7 +30,10 @@ class StepGuard:
         self.cfg = cfg
         self.preemption = PreemptionHandler(list(cfg.preemption_signals), cfg.preemption_deadline_s)
         self.nonfinite = NonFinitePolicy(cfg.nonfinite_policy, cfg.max_rollbacks)
-        self.watchdog = StepWatchdog(cfg.watchdog_factor, cfg.watchdog_min_s) if cfg.watchdog_factor > 0 else None
+        self.progress = ProgressBoard()
+        self.watchdog = None
+        if cfg.watchdog_factor > 0:
+            self.watchdog = StepWatchdog(cfg.watchdog_factor, cfg.watchdog_min_s, peers=self.progress.report)
         self.liveness = Liveness(cfg.liveness_timeout_s, cfg.liveness_every_steps)
         self.bad_steps: set[int] = set()
         self.step: int | None = None  # the step in progress, for error messages
@@ -76,6 +80,7 @@ class StepGuard:
             self.watchdog.step_started(step)
         if step is not None:
             self._inject_stall(step)
+            self.progress.started(step)
             self.liveness.check(step)
 
     def step_finished(self) -> None:

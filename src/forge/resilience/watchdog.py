@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 from forge.resilience.hard_exit import hard_exit
 
@@ -18,8 +19,9 @@ EXIT_HUNG = 76
 class StepWatchdog:
     """A daemon thread: if the current step runs longer than max(factor x median step, min_s), log and exit."""
 
-    def __init__(self, factor: float, min_s: float, poll_s: float = 1.0):
+    def __init__(self, factor: float, min_s: float, poll_s: float = 1.0, peers: Callable[[], str] | None = None):
         self.factor = factor
+        self.peers = peers  # a line on the other ranks' progress, when there are others
         self.min_s = min_s
         self.poll_s = poll_s
         self.durations: list[float] = []
@@ -50,15 +52,17 @@ class StepWatchdog:
                 continue
             elapsed = time.monotonic() - started
             if elapsed > self.limit():
+                peers = self.peers() if self.peers is not None else ""
                 log.error(
                     "watchdog: %sstep %s has run %.1f s, over %.1f s (%.0fx the median step); a rank is stalled or "
-                    "a peer is dead — ending the job (exit code %d). This rank's main thread is at:\n%s",
+                    "a peer is dead — ending the job (exit code %d).%s This rank's main thread is at:\n%s",
                     _rank_prefix(),
                     "?" if self._step is None else self._step,
                     elapsed,
                     self.limit(),
                     self.factor,
                     EXIT_HUNG,
+                    f" {peers}." if peers else "",
                     main_thread_stack(),
                 )
                 hard_exit(EXIT_HUNG)
