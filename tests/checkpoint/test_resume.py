@@ -145,3 +145,18 @@ def test_a_resume_at_or_past_train_steps_says_there_is_nothing_to_train(tmp_path
         summary = Trainer(compose([*TINY, "train.steps=3", "checkpoint.resume=auto"]), tmp_path / "a").fit()
     assert summary["steps"] == 4 and math.isnan(summary["final_loss"])
     assert "resumed at step 4, which is not before train.steps=3: nothing to train" in caplog.text
+
+
+def test_an_unwritable_checkpoint_dir_is_named_before_the_model_is_built(tmp_path, monkeypatch, caplog):
+    import forge.train.trainer as trainer_module
+
+    built = []
+    monkeypatch.setattr(Trainer, "build_model_and_data", lambda self: built.append(1) or None)
+    bad = [*TINY, "checkpoint.interval=4", "checkpoint.dir=/proc/forge-checkpoints"]
+    with pytest.raises(CheckpointError, match="checkpoint.dir=/proc/forge-checkpoints: cannot write checkpoints"):
+        Trainer(compose(bad), tmp_path / "a")
+    assert not built
+    monkeypatch.undo()
+    with caplog.at_level("WARNING", logger="forge"):
+        tolerant = trainer_module.Trainer(compose([*bad, "checkpoint.on_save_error=continue"]), tmp_path / "b")
+    assert "training anyway" in caplog.text and tolerant.state.step == 0

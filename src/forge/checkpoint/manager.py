@@ -21,6 +21,7 @@ rank and are restored only at the same world size (nothing in training draws fro
 """
 
 import logging
+import os
 import shutil
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -90,6 +91,24 @@ class Checkpointer:
         self._pending: tuple[Future, Path] | None = None
 
     # ---- saving -------------------------------------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """When the run will save: the checkpoint folder can be made and written, else a CheckpointError naming
+        checkpoint.dir (or a warning under checkpoint.on_save_error=continue)."""
+        cfg = self.cfg
+        if not (cfg.interval > 0 or cfg.save_final or cfg.milestones):
+            return
+        probe = self.root / f".write-test-{os.getpid()}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
+        except OSError as err:
+            message = f"checkpoint.dir={cfg.dir}: cannot write checkpoints to {self.root}: {err.strerror or err}"
+            if cfg.on_save_error == "continue":
+                log.warning("%s (checkpoint.on_save_error=continue: training anyway)", message)
+                return
+            raise CheckpointError(message) from err
 
     def should_save(self, step: int, last_step: int) -> bool:
         interval = self.cfg.interval

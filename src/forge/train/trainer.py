@@ -92,6 +92,9 @@ class Trainer:
         self.run_dir = Path(dist.shared_run_dir(str(self.run_dir)))
         if not dist.is_main_process():
             log.setLevel(logging.WARNING)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, build.config_yaml(cfg))
+        if dist.is_main_process():
+            self.checkpointer.check_writable()  # before the model is built, not at the first save
         self.mesh = build_mesh(self.degrees, self.device.type)
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
 
@@ -102,7 +105,6 @@ class Trainer:
         self.loader = build.build_loader(cfg, self.corpus, self.dp_rank, self.dp_size)
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * self.dp_size)
         self.tokens_per_step = train.global_batch_size * train.seq_len
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, build.config_yaml(cfg))
         self.state = self.restore()
         self.guard = StepGuard(cfg.resilience)
         self.preempted = False
