@@ -14,13 +14,13 @@ if TYPE_CHECKING:
     from forge.parallel.degrees import Degrees
 
 DTYPES = ("auto", "bf16", "fp32")
-MEMMAP_TARGET = "forge.data.memmap.MemmapCorpus"
 DEVICES = ("auto", "cpu", "cuda")
 ACTIVATION_CHECKPOINT = ("none", "full", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 ROUTERS = ("softmax_topk", "sigmoid_topk")
 AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global_batch")
 ASYNC_MODES = ("sync", "async", "async_pinned")
+MEMMAP_TARGET = "forge.data.memmap.MemmapCorpus"
 
 
 def _require(ok: bool, message: str) -> None:
