@@ -129,36 +129,43 @@ def test_bad_sources_exit_non_zero_naming_them(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_an_existing_destination_is_refused_unless_overwrite_and_nothing_half_written_stays(hf_dir, tmp_path):
+def test_an_existing_destination_is_refused_unless_overwrite_and_nothing_half_written_stays(hf_dir, tmp_path, capsys):
+    from forge.checkpoint.cli import main as forge_convert  # in process: the subprocess path is tested above
+
     out = tmp_path / "model.pt"
-    assert convert("--to", "torch", str(hf_dir), str(out)).returncode == 0
+    assert forge_convert(["--to", "torch", str(hf_dir), str(out)]) == 0
     before = out.read_bytes()
-    result = convert("--to", "torch", str(hf_dir), str(out))
-    assert result.returncode == 1 and f"{out} already exists" in result.stderr and "--overwrite" in result.stderr
+    capsys.readouterr()
+    assert forge_convert(["--to", "torch", str(hf_dir), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"{out} already exists" in err and "--overwrite" in err
     assert out.read_bytes() == before
     # A run directory as the destination of a dcp export: refused, so its own checkpoints stay what resume finds.
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    result = convert("--to", "dcp", str(hf_dir), str(run))
-    assert result.returncode == 1 and "already exists (a folder)" in result.stderr
+    assert forge_convert(["--to", "dcp", str(hf_dir), str(run)]) == 1
+    assert "already exists (a folder)" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
     # Not even with --overwrite may the destination be the source or hold it.
-    result = convert("--to", "hf", str(hf_dir), str(hf_dir.parent), "--overwrite")
-    assert result.returncode == 1 and "is or holds the source" in result.stderr and hf_dir.is_dir()
+    assert forge_convert(["--to", "hf", str(hf_dir), str(hf_dir.parent), "--overwrite"]) == 1
+    assert "is or holds the source" in capsys.readouterr().err and hf_dir.is_dir()
     # --overwrite replaces a folder with the whole new output.
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf/stale.txt").write_text("old")
-    assert convert("--to", "hf", str(hf_dir), str(tmp_path / "hf"), "--overwrite").returncode == 0
+    assert forge_convert(["--to", "hf", str(hf_dir), str(tmp_path / "hf"), "--overwrite"]) == 0
     assert (tmp_path / "hf/config.json").is_file() and not (tmp_path / "hf/stale.txt").exists()
-    assert not list(tmp_path.glob(".*staging*"))
+    assert not list(tmp_path.glob(".*staging*")) and not list(tmp_path.glob(".*replaced*"))
 
 
-def test_a_hugging_face_folder_without_config_json_is_named(hf_dir, tmp_path):
+def test_a_hugging_face_folder_without_config_json_is_named(hf_dir, tmp_path, capsys):
     import shutil
+
+    from forge.checkpoint.cli import main as forge_convert
 
     half = tmp_path / "half"
     shutil.copytree(hf_dir, half)
     (half / "config.json").unlink()
-    result = convert("--to", "torch", str(half), str(tmp_path / "m.pt"))
-    assert result.returncode == 1 and "no config.json" in result.stderr and str(half) in result.stderr
+    assert forge_convert(["--to", "torch", str(half), str(tmp_path / "m.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "no config.json" in err and str(half) in err
     assert not (tmp_path / "m.pt").exists()

@@ -169,11 +169,14 @@ def test_generate_refuses_impossible_sampling_options_before_loading(tmp_path, o
     assert str(exit_.value).startswith(f"forge-generate: {message}")
 
 
-def test_eval_refuses_zero_sizes_and_a_seq_len_beyond_the_model(run_dir):
+def test_eval_refuses_zero_sizes_and_a_seq_len_beyond_the_model(run_dir, capsys):
+    from forge.generate.evaluate import main as forge_eval  # in process: the subprocess path is tested above
+
     folder, _ = run_dir
-    result = run("forge.generate.evaluate", f"checkpoint={folder}", "batches=0")
-    assert result.returncode == 1 and "forge-eval: batches=0 must be at least 1" in result.stderr
-    result = run("forge.generate.evaluate", f"checkpoint={folder}", "seq_len=4096")
-    assert result.returncode == 1 and "seq_len=4096 exceeds the model's max_seq_len=" in result.stderr
-    result = run("forge.generate.evaluate", f"checkpoint={folder}", "data=memmap", "data_overrides=[data.path=/nope]")
-    assert result.returncode == 1 and "data.vocab_size" in result.stderr and "Traceback" not in result.stderr
+    assert forge_eval([f"checkpoint={folder}", "batches=0"]) == 1
+    assert "forge-eval: batches=0 must be at least 1" in capsys.readouterr().err
+    assert forge_eval([f"checkpoint={folder}", "seq_len=4096"]) == 1
+    assert "seq_len=4096 exceeds the model's max_seq_len=" in capsys.readouterr().err
+    assert forge_eval([f"checkpoint={folder}", "data=memmap", "data_overrides=[data.path=/nope]"]) == 1
+    err = capsys.readouterr().err
+    assert "data.vocab_size is not set and cannot be read from data.path=/nope" in err and "Traceback" not in err
