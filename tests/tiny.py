@@ -19,8 +19,9 @@ class Crash(Exception):
     pass
 
 
-class CrashingTrainer(Trainer):
-    """Dies (like a SIGKILL between steps) after `crash_after` optimizer steps of this process; subclass to change."""
+class CrashAfterSteps:
+    """Mixed into a trainer: dies (like a SIGKILL between steps) after `crash_after` optimizer steps of this
+    process; subclass to change the count."""
 
     crash_after = 7
 
@@ -29,6 +30,10 @@ class CrashingTrainer(Trainer):
             raise Crash
         self.crash_after -= 1
         return super().train_step()
+
+
+class CrashingTrainer(CrashAfterSteps, Trainer):
+    """The text Trainer with CrashAfterSteps."""
 
 
 def losses(run_dir: Path) -> dict[int, float]:

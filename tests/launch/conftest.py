@@ -4,7 +4,6 @@ The session fixture runs launchers/local-slurm/start-slurm.sh (installs the Debi
 and stops the daemons again afterwards, unless a cluster was already up before the session (then it is left alone).
 """
 
-import json
 import os
 import shutil
 import signal
@@ -17,6 +16,7 @@ import pytest
 
 from tests.conftest import ROOT, forge_cmd
 from tests.faults.conftest import RUN
+from tests.tiny import losses  # noqa: F401 - re-exported for the launch tests
 
 SCRIPTS = ROOT / "launchers" / "local-slurm"
 START_TIMEOUT_S = 600
@@ -88,18 +88,6 @@ def finish_sweep(proc: subprocess.Popen, sweep_dir: Path, timeout: float = 300) 
 
 def sweep(sweep_dir: Path, *overrides: str, timeout: float = 300) -> tuple[int, str]:
     return finish_sweep(start_sweep(sweep_dir, *overrides), sweep_dir, timeout)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """step -> loss; a resumed run appends, and the last record of a step wins."""
-    out: dict[int, float] = {}
-    path = run_dir / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if "loss" in record:
-                out[record["step"]] = record["loss"]
-    return out
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:

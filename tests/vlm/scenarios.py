@@ -1,11 +1,10 @@
 """Short VLM training runs of the real trainer (also run on each rank of a forked launch)."""
 
-import json
 from pathlib import Path
 
 from forge.config import compose
 from forge.train.vlm_trainer import VLMTrainer
-from tests.tiny import TINY_MODEL
+from tests.tiny import TINY_MODEL, losses
 
 TINY = [
     *TINY_MODEL,
@@ -24,15 +23,6 @@ TINY = [
 
 
 VQA = ["data=vqa_embedded", "data.train_records=400", "data.val_records=16"]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
 
 
 def train(run_dir: str, *overrides: str) -> dict:

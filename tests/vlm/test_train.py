@@ -5,8 +5,8 @@ import pytest
 
 from forge.config import compose
 from forge.train.vlm_trainer import VLMTrainer
-from tests.checkpoint.test_resume import Crash
 from tests.parallel.harness import launch
+from tests.tiny import Crash, CrashAfterSteps
 from tests.vlm.scenarios import TINY, VQA, losses, train
 
 
@@ -34,14 +34,8 @@ def test_video_clips_train(tmp_path):
     assert summary["final_val_loss"] < summary["first_val_loss"] - 2.0, summary
 
 
-class CrashingVLMTrainer(VLMTrainer):
+class CrashingVLMTrainer(CrashAfterSteps, VLMTrainer):
     crash_after = 5
-
-    def train_step(self):
-        if self.crash_after == 0:
-            raise Crash
-        self.crash_after -= 1
-        return super().train_step()
 
 
 SCHEDULE = ["vlm=joint_decoder", "train.steps=8", "vlm.train_decoder_from_step=2", "vlm.train_encoder_from_step=4"]

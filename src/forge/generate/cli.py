@@ -102,21 +102,15 @@ def _prompt_list(raw: str) -> list[str] | None:
 
 def check_sampling(cfg) -> None:
     """Exit naming the option when a sampling setting cannot work."""
-    problems = {
-        "max_new_tokens": cfg.max_new_tokens >= 1,
-        "temperature": cfg.temperature >= 0,
-        "top_k": cfg.top_k >= 0,
-        "top_p": 0 < cfg.top_p <= 1,
-    }
-    rules = {
-        "max_new_tokens": "must be at least 1",
-        "temperature": "must be >= 0 (0 is greedy)",
-        "top_k": "must be >= 0 (0 keeps all tokens)",
-        "top_p": "must be in (0, 1] (1 keeps all tokens)",
-    }
-    for key, ok in problems.items():
+    rules = [
+        ("max_new_tokens", cfg.max_new_tokens >= 1, "must be at least 1"),
+        ("temperature", cfg.temperature >= 0, "must be >= 0 (0 is greedy)"),
+        ("top_k", cfg.top_k >= 0, "must be >= 0 (0 keeps all tokens)"),
+        ("top_p", 0 < cfg.top_p <= 1, "must be in (0, 1] (1 keeps all tokens)"),
+    ]
+    for key, ok, rule in rules:
         if not ok:
-            sys.exit(f"forge-generate: {key}={cfg[key]} {rules[key]}")
+            sys.exit(f"forge-generate: {key}={cfg[key]} {rule}")
     if cfg.format not in ("text", "jsonl"):
         sys.exit(f"forge-generate: format={cfg.format!r} is not one of text, jsonl")
 

@@ -75,11 +75,9 @@ def remove_empty_run_dir() -> None:
     ):
         for name in hydra_files:
             (run_dir / ".hydra" / name).unlink()
-        for folder_or_file in (run_dir / ".hydra", log_file):
-            if folder_or_file.is_dir():
-                folder_or_file.rmdir()
-            elif folder_or_file.exists():
-                folder_or_file.unlink()
+        if (run_dir / ".hydra").is_dir():
+            (run_dir / ".hydra").rmdir()
+        log_file.unlink(missing_ok=True)
         if not any(run_dir.iterdir()) and run_dir.resolve() != Path.cwd().resolve():
             run_dir.rmdir()
 

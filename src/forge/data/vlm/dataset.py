@@ -40,28 +40,34 @@ class MediaRecord:
 MediaKey = tuple[str, float, float | None]
 
 
+def media_key(record: MediaRecord) -> MediaKey:
+    """What identifies a record's media: the file and the clip."""
+    return record.path, record.start, record.end
+
+
 class MediaCache:
     """Least-recently-used preprocessed media, at most `max_bytes` of tensors."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes, self.bytes = max_bytes, 0
-        self.entries: OrderedDict[MediaKey, tuple] = OrderedDict()
+        self.entries: OrderedDict[MediaKey, tuple[tuple, int]] = OrderedDict()  # key -> (tensors, their bytes)
 
     def get(self, key: MediaKey) -> tuple | None:
-        value = self.entries.get(key)
-        if value is not None:
-            self.entries.move_to_end(key)
-        return value
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        self.entries.move_to_end(key)
+        return entry[0]
 
     def put(self, key: MediaKey, value: tuple) -> None:
         size = sum(t.numel() * t.element_size() for t in value)
         if size > self.max_bytes:
             return
-        self.entries[key] = value
+        self.entries[key] = (value, size)
         self.bytes += size
         while self.bytes > self.max_bytes:
-            _, dropped = self.entries.popitem(last=False)
-            self.bytes -= sum(t.numel() * t.element_size() for t in dropped)
+            _, (_, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
 
 
 class VLMCorpus:
@@ -116,7 +122,7 @@ class VLMCorpus:
         return images, times
 
     def _media(self, record: MediaRecord):
-        key = (record.path, record.start, record.end)
+        key = media_key(record)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
@@ -143,7 +149,7 @@ class VLMCorpus:
     def readable(self, record: MediaRecord) -> bool:
         """Whether the record's media decode, as example() would find; decoded once, then remembered. An unreadable
         record counts as a skip each time, as in example()."""
-        key = (record.path, record.start, record.end)
+        key = media_key(record)
         if key in self._readable:
             return True
         if key in self._unreadable:
@@ -172,7 +178,7 @@ class VLMCorpus:
 
     def example(self, record: MediaRecord, text_len: int) -> dict | None:
         """One example's tensors, or None for unreadable media under on_bad_media=skip."""
-        key = (record.path, record.start, record.end)
+        key = media_key(record)
         if key in self._unreadable:
             self._skip(key, MediaError(self._unreadable[key]))
             return None

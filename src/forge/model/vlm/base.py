@@ -181,9 +181,6 @@ class VisionLanguageModel(nn.Module):
         out_std = args.init_std / math.sqrt(2 * args.n_layers) if args.depth_init else args.init_std
         return args.init_std, out_std
 
-    def rope(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.decoder.rope_cos[:seq], self.decoder.rope_sin[:seq]
-
     def rope_at(self, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary tables of positions start .. start + seq - 1."""
         end = start + seq
@@ -239,7 +236,7 @@ class PrefixVLM(VisionLanguageModel):
         h = torch.cat([visual.to(text.dtype), text], dim=1)
         key_valid = torch.cat([valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1)
         mask = causal_key_mask(key_valid)
-        cos, sin = self.rope(h.shape[1])
+        cos, sin = self.rope_at(0, h.shape[1])
         for key, block in self.decoder.layers.items():
             h = self.run_block(key, block, h, n_visual, valid, cos, sin, mask, cache)
         if cache is not None:
