@@ -47,3 +47,10 @@ def losses(run_dir: Path) -> dict[int, float]:
             if "loss" in record:
                 out[record["step"]] = record["loss"]
     return out
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    """step -> val_loss from run_dir/metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}

@@ -82,3 +82,19 @@ def test_help_lists_groups_and_field_docs(tmp_path):
     assert "llama_tiny" in out and "tp2_fsdp" in out
     assert "train.steps: Optimizer steps." in out
     assert "model_schema" not in out
+
+
+def test_a_warmup_set_longer_than_the_run_is_refused(tmp_path):
+    """A preset's warmup is cut to a short run (README test); one the user sets with train.steps is an error."""
+    result = run_cli(tmp_path, "scheduler.warmup_steps=10", "train.steps=4")
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "scheduler.warmup_steps=10" in lines[0] and "train.steps=4" in lines[0], lines
+
+
+def test_an_unknown_top_level_key_is_refused(tmp_path):
+    """`+foo=bar` (or `+experiment=x` when no experiment group is on the search path) used to be ignored."""
+    result = run_cli(tmp_path, "+experiment=smoke")
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "warn" not in line.lower()]
+    assert len(lines) == 1 and "unknown top-level config key(s) experiment" in lines[0], result.stderr

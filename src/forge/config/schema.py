@@ -207,8 +207,12 @@ class TrainConfig:
     """Tokens per sample."""
     global_batch_size: int = 8
     """Samples per optimizer step over all data-parallel ranks."""
-    micro_batch_size: int = 8
-    """Samples per forward/backward on one rank; the rest is gradient accumulation."""
+    micro_batch_size: Optional[int] = None
+    """Samples per forward/backward on one rank; the rest is gradient accumulation. null (default): the global
+    batch split over the data-parallel ranks, at most max_micro_batch_size, so one config runs on any world size."""
+    max_micro_batch_size: Optional[int] = None
+    """Cap on the automatic micro_batch_size (for memory): the largest divisor of global_batch_size / dp ranks
+    that is not above it; null = no cap. Ignored when micro_batch_size is set."""
     log_every: int = 10
     """Steps between log lines and metrics.jsonl records."""
     eval_every: int = 50

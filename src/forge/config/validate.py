@@ -32,6 +32,27 @@ def _one_of(key: str, value, allowed: tuple) -> None:
     _require(value in allowed, f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
 
 
+def config_groups() -> tuple[str, ...]:
+    """The top-level keys of forge-train's config: the groups of conf/train.yaml's defaults list."""
+    import yaml
+
+    from forge.config.paths import conf_dir
+
+    defaults = yaml.safe_load((conf_dir() / "train.yaml").read_text())["defaults"]
+    return tuple(next(iter(entry)) for entry in defaults if isinstance(entry, dict))
+
+
+def validate_top_level(cfg: DictConfig) -> None:
+    """A key Hydra appended (`+train_steps=5`, `+experiment=x` without such a group) would be silently ignored."""
+    known = config_groups()
+    unknown = [key for key in cfg if key not in known]
+    _require(
+        not unknown,
+        f"unknown top-level config key(s) {', '.join(map(str, unknown))} (a +key=value or a +group=option Hydra "
+        f"did not find as a config group; known: {', '.join(known)})",
+    )
+
+
 def validate_model(model: DictConfig) -> None:
     dim, heads, kv = model.dim, model.n_heads, model.n_kv_heads or model.n_heads
     for key in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
@@ -58,18 +79,13 @@ def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
     _one_of("train.device", train.device, DEVICES)
     if train.device == "cuda":
         _require(torch.cuda.is_available(), "train.device=cuda but no CUDA device is available")
-    for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):
+    for key in ("steps", "seq_len", "global_batch_size", "log_every", "eval_batches"):
         _require(train[key] > 0, f"train.{key}={train[key]} must be positive")
+    fill_micro_batch(train, degrees.dp)
     _require(train.eval_every >= 0, f"train.eval_every={train.eval_every} must be >= 0")
     _require(
         train.seq_len <= cfg.model.max_seq_len,
         f"train.seq_len={train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}",
-    )
-    per_step = train.micro_batch_size * degrees.dp
-    _require(
-        train.global_batch_size % per_step == 0,
-        f"train.global_batch_size={train.global_batch_size} is not divisible by train.micro_batch_size="
-        f"{train.micro_batch_size} x data-parallel ranks={degrees.dp}",
     )
     _require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be positive")
     warmup = cfg.scheduler.get("warmup_steps", 0)
@@ -80,6 +96,42 @@ def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
         f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's data.vocab_size="
         f"{cfg.data.vocab_size}",
     )
+
+
+def fill_micro_batch(train: DictConfig, dp: int) -> None:
+    """Set train.micro_batch_size when it is null: global_batch_size / dp, or its largest divisor not above
+    train.max_micro_batch_size (the rest is gradient accumulation). A given value is only checked."""
+    batch, micro, cap = train.global_batch_size, train.micro_batch_size, train.get("max_micro_batch_size")
+    if micro is not None:
+        _require(micro > 0, f"train.micro_batch_size={micro} must be positive")
+        _require(
+            batch % (micro * dp) == 0,
+            f"train.global_batch_size={batch} is not divisible by train.micro_batch_size={micro} x data-parallel "
+            f"ranks={dp} (leave train.micro_batch_size unset to split the global batch over the ranks)",
+        )
+        return
+    _require(
+        batch % dp == 0,
+        f"train.global_batch_size={batch} cannot be split over {dp} data-parallel ranks: make it a multiple of {dp}",
+    )
+    per_rank = batch // dp
+    if cap is not None:
+        _require(cap > 0, f"train.max_micro_batch_size={cap} must be positive")
+        per_rank = max(d for d in range(1, min(cap, per_rank) + 1) if (batch // dp) % d == 0)
+    train.micro_batch_size = per_rank
+
+
+def fit_warmup_to_run(cfg: DictConfig, explicit_keys: frozenset[str]) -> str | None:
+    """A warmup longer than the run (a preset's default, e.g. train.steps=4 against 20 steps of warmup) is cut to
+    train.steps; returns the note saying so. Both set by the user (in `explicit_keys`) stays an error."""
+    warmup = cfg.scheduler.get("warmup_steps")
+    steps = cfg.train.steps
+    if warmup is None or not isinstance(steps, int) or steps < 1 or warmup <= steps:
+        return None
+    if "scheduler.warmup_steps" in explicit_keys:
+        return None  # validate_train names both keys
+    cfg.scheduler.warmup_steps = steps
+    return f"scheduler.warmup_steps={warmup} is longer than train.steps={steps}: warmup cut to {steps} steps"
 
 
 def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
@@ -309,6 +361,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
 
     if world_size is None:
         world_size = cfg.parallel.world_size or read_dist_env().world_size
+    validate_top_level(cfg)
     fill_vocab_from_data_meta(cfg.data)
     validate_required(cfg)
     validate_model(cfg.model)

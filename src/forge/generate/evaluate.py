@@ -44,7 +44,7 @@ class EvalConfig:
     seq_len: Optional[int] = None
     """Tokens per sample; default: the run's train.seq_len."""
     micro_batch_size: Optional[int] = None
-    """Samples per batch; default: the run's train.micro_batch_size."""
+    """Samples per batch; default: the run's train.micro_batch_size (its global batch when that was automatic)."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     dtype: str = "fp32"
@@ -67,7 +67,7 @@ def eval_setup(cfg: EvalConfig, run_config: DictConfig | None) -> tuple[DictConf
     return (
         data,
         given_or(cfg.seq_len, base.train.seq_len),
-        given_or(cfg.micro_batch_size, base.train.micro_batch_size),
+        given_or(cfg.micro_batch_size, base.train.micro_batch_size or base.train.global_batch_size),
         given_or(cfg.batches, base.train.eval_batches),
     )
 

@@ -31,8 +31,24 @@ def run(cfg: DictConfig) -> dict:
     return trainer(cfg, run_dir).fit()
 
 
+def command_line_keys() -> frozenset[str]:
+    """The config keys this job's command line sets (`key=v`, `+key=v`, `++key=v`)."""
+    return frozenset(o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task)
+
+
+def fit_defaults_to_run(cfg: DictConfig) -> None:
+    """Defaults that cannot hold for this run are fitted to it, with one warning line (rank 0)."""
+    from forge.config.validate import fit_warmup_to_run
+    from forge.parallel.env import read_dist_env
+
+    note = fit_warmup_to_run(cfg, command_line_keys())
+    if note and read_dist_env().rank == 0:
+        log.warning("%s", note)
+
+
 def _task(cfg: DictConfig) -> None:
     try:
+        fit_defaults_to_run(cfg)
         if PLAN_ONLY:
             from forge.train.plan_report import print_plan
 

@@ -234,12 +234,12 @@ def _expert_line(args, degrees: Degrees, model, local: int, local_experts: int) 
 
 
 def _fit_global_batch(cfg: DictConfig, world_size: int) -> list[str]:
-    """Raise train.global_batch_size to a multiple of micro_batch_size x dp ranks (the plan is about the layout;
-    a small default batch would otherwise refuse a large world size)."""
+    """Raise train.global_batch_size to a multiple of micro_batch_size (1 when unset) x dp ranks (the plan is about
+    the layout; a small default batch would otherwise refuse a large world size)."""
     from forge.parallel.degrees import resolve_degrees
 
     train = cfg.train
-    step = train.micro_batch_size * resolve_degrees(cfg.parallel, world_size).dp
+    step = (train.micro_batch_size or 1) * resolve_degrees(cfg.parallel, world_size).dp
     if train.global_batch_size % step == 0:
         return []
     fitted = math.ceil(train.global_batch_size / step) * step

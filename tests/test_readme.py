@@ -1,0 +1,165 @@
+"""Every command of the README runs as written, so the README cannot drift from the code.
+
+The commands run in order, in one scratch directory (relative paths such as outputs/ and shards/ land there), through
+bash with this venv first on PATH. Training commands get a short run appended (`SHORT`); nothing else is changed.
+The inputs a user brings (their jsonl corpus, captions with images, a local vision tower, an image to ask about) are
+written into the scratch directory first. A command that cannot run here is listed in NOT_RUN with the reason and
+the test that covers it instead; any other README command that is not run fails the listing test.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.launch.conftest import slurm  # noqa: F401 - the local cluster, for the local_slurm commands
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+SHORT = "train.steps=2 train.eval_batches=1"
+"""Appended to each training command: two steps and one validation batch."""
+
+PROGRAMS = {
+    "forge-train", "forge-generate", "forge-eval", "forge-lm-eval", "forge-prepare-data", "forge-convert",
+    "forge-plot", "torchrun", "launchers/torchrun.sh", "python", "make", "bash", "mkdir", "sbatch",
+}  # fmt: skip
+"""A README block is a command block when its first line starts with one of these (after VAR=value words)."""
+
+NOT_RUN = {
+    "make test": "the suite itself (CI runs it through .ci/run)",
+    "forge-train -m hydra/launcher=slurm ": "needs a GPU partition; the same sweep runs below with local_slurm",
+    "FORGE_RUN_DIR=outputs/my-run sbatch --nodes=2": "needs two GPU nodes; tests/launch/test_sbatch.py submits "
+    "launchers/slurm.sbatch to the local cluster",
+    "bash launchers/local-slurm/start-slurm.sh": "run by the `slurm` fixture, which the local_slurm commands use",
+}
+
+EXPECT = {
+    "forge-train train.steps=4": "warmup cut to 4 steps",
+    "forge-train hydra.searchpath=": "warmup cut to 4 steps",  # the experiment's train.steps: 4 applied
+    "forge-train --plan": "plan for 32 ranks",
+    "forge-train --help": "== Config groups",
+    "python -c": "torch.Size([1, 3, ",
+}
+"""Output a command must print, besides exiting 0."""
+
+COMMENT = re.compile(r"\s{2,}#.*$")
+
+
+def readme_blocks() -> list[list[str]]:
+    """The README's indented (4-space) code blocks, each a list of lines without the indent."""
+    blocks, current = [], []
+    previous_blank = True
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("    ") and (current or previous_blank):
+            current.append(line[4:])
+        elif current and not line.strip():
+            current.append("")
+        else:
+            if current:
+                blocks.append(current)
+            current = []
+        previous_blank = not line.strip()
+    if current:
+        blocks.append(current)
+    return [[line for line in block if line.strip()] for block in blocks]
+
+
+def program(command: str) -> str:
+    words = [w for w in command.split() if not re.match(r"^[A-Z_]+=", w)]
+    return words[0] if words else ""
+
+
+def readme_commands() -> list[str]:
+    """Every line of every command block, trailing comments removed."""
+    commands = []
+    for block in readme_blocks():
+        if program(block[0]) not in PROGRAMS:
+            continue  # a file's contents (YAML) or the layout table
+        for line in block:
+            command = COMMENT.sub("", line).strip()
+            if command and not line.lstrip().startswith("#"):
+                commands.append(command)
+    return commands
+
+
+COMMANDS = readme_commands()
+
+
+def not_run_reason(command: str) -> str | None:
+    return next((reason for prefix, reason in NOT_RUN.items() if command.startswith(prefix)), None)
+
+
+def as_run(command: str) -> str:
+    """The command with a short run appended where it trains."""
+    if command == "make train":
+        return f'make train ARGS="{SHORT}"'
+    trains = program(command) in ("forge-train", "torchrun", "launchers/torchrun.sh")
+    if not trains or any(flag in command for flag in ("--cfg", "--help", "--plan", "+experiment=")):
+        return command  # nothing to shorten, or a run that sets its own (short) length
+    steps = re.search(r"train\.steps=(\d+)", command)
+    if steps and int(steps.group(1)) <= 4:
+        return command  # already a short run (the smoke test)
+    return f"{command} {SHORT}"
+
+
+def write_user_inputs(scratch: Path) -> None:
+    """What a user brings: a jsonl corpus, captions with images, a local SigLIP folder, an image to ask about."""
+    from forge.data.embedded import read_scenes
+    from forge.data.tokenizer import package_dir
+    from forge.model.vlm.encoder import build_tiny_encoder
+
+    (scratch / "corpus").mkdir()
+    scenes = read_scenes()[:120]
+    (scratch / "corpus" / "plays.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in scenes))
+    images = package_dir("easy_vqa") / "data" / "train" / "images"
+    rows = []
+    for i in range(24):
+        shutil.copy(images / f"{i}.png", scratch / f"photo{i}.png")
+        rows.append(json.dumps({"image": f"photo{i}.png", "text": f"a picture of shape {i % 3}"}))
+    (scratch / "captions.jsonl").write_text("\n".join(rows) + "\n")
+    shutil.copy(images / "0.png", scratch / "shape.png")
+    build_tiny_encoder(scratch / "siglip", "siglip")
+    for name in ("launchers", "Makefile", "pyproject.toml"):
+        (scratch / name).symlink_to(ROOT / name)
+    (scratch / ".venv").symlink_to(Path(sys.executable).parent.parent)
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("readme")
+    write_user_inputs(path)
+    return path
+
+
+def test_every_readme_command_is_run_or_says_why_not():
+    assert len(COMMANDS) > 20, COMMANDS  # the parser found the blocks
+    for command in COMMANDS:
+        assert program(command) in PROGRAMS, f"README command with an unknown program: {command}"
+    for prefix in NOT_RUN:
+        assert any(c.startswith(prefix) for c in COMMANDS), f"NOT_RUN lists {prefix!r}, which the README lacks"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_command_runs(command, scratch, request):
+    reason = not_run_reason(command)
+    if reason:
+        pytest.skip(reason)
+    if "hydra/launcher=local_slurm" in command:
+        request.getfixturevalue("slurm")
+    if command == "make train" and not (scratch / ".venv" / ".installed").exists():
+        pytest.skip("this venv was not made by `make install`")
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        ["bash", "-c", as_run(command)], cwd=scratch, env=env, capture_output=True, text=True, timeout=600
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{as_run(command)}\nexit {proc.returncode}\n{out[-4000:]}"
+    expected = next((text for prefix, text in EXPECT.items() if command.startswith(prefix)), None)
+    assert expected is None or expected in out, f"{command}: {expected!r} not in the output\n{out[-3000:]}"
