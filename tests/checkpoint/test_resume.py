@@ -160,3 +160,19 @@ def test_an_unwritable_checkpoint_dir_is_named_before_the_model_is_built(tmp_pat
     with caplog.at_level("WARNING", logger="forge"):
         tolerant = trainer_module.Trainer(compose([*bad, "checkpoint.on_save_error=continue"]), tmp_path / "b")
     assert "training anyway" in caplog.text and tolerant.state.step == 0
+
+
+def test_a_fresh_run_never_deletes_another_runs_checkpoints(tmp_path):
+    from forge.checkpoint.layout import complete_checkpoints, latest_checkpoint
+
+    Trainer(compose([*TINY, "train.steps=4", "checkpoint.interval=2"]), tmp_path).fit()
+    old = [p.name for p in complete_checkpoints(tmp_path / "checkpoints")]
+    assert old == ["step-00000002", "step-00000004"]
+    fresh = [*TINY, "train.steps=3", "checkpoint.interval=3", "checkpoint.keep_last_n=1", "checkpoint.resume=none"]
+    with pytest.raises(CheckpointError, match="checkpoint.overwrite=true") as err:
+        Trainer(compose(fresh), tmp_path)
+    assert "2 checkpoint(s) of another run" in str(err.value)
+    Trainer(compose([*fresh, "checkpoint.overwrite=true"]), tmp_path).fit()
+    kept = [p.name for p in complete_checkpoints(tmp_path / "checkpoints")]
+    assert kept == ["step-00000002", "step-00000003", "step-00000004"]  # keep_last_n=1 pruned none of the old run's
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000003"  # the new run's, where `latest` points

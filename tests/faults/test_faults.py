@@ -159,6 +159,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, reference):
             f"checkpoint.dir={mount}",
             "checkpoint.on_save_error=continue",
             "checkpoint.resume=none",
+            "checkpoint.overwrite=true",  # the first run's checkpoints share this folder
             "train.steps=6",
         )
         assert code == 0 and "training continues" in out, out

@@ -24,10 +24,10 @@ RTOL = 1e-4
 MOE = ["model=moe_tiny", *TINY, "model.moe.num_experts=4", "model.moe.expert_ffn_dim=32"]
 GLOBAL = [*MOE, "model.moe.aux_loss_scope=global_batch"]
 REFERENCE = {
-    "micro": [*MOE, "parallel=single", "train.micro_batch_size=2", "train.eval_batches=4"],
+    "micro": [*MOE, "parallel=single", "train.micro_batch_size=2"],
     "global": [*GLOBAL, "parallel=single", "train.micro_batch_size=8"],
 }
-EP2 = [*MOE, "parallel=ep2_fsdp", "train.micro_batch_size=2", "train.eval_batches=2"]  # 2 accumulated micro-batches
+EP2 = [*MOE, "parallel=ep2_fsdp", "train.micro_batch_size=2"]  # 2 accumulated micro-batches
 
 
 @pytest.fixture(scope="module")

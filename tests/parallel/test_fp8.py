@@ -48,3 +48,15 @@ def test_fsdp_with_float8_all_gather_matches_one_process(single, tmp_path):
     got = run[0]["fp8_fsdp"]
     assert got["wq_placements"] == ["S(0)"]
     assert got["loss"] == pytest.approx(single["fp8"]["loss"], rel=FSDP_RTOL)
+
+
+def test_float8_keeps_routers_and_odd_shapes_in_high_precision():
+    from torch import nn
+
+    from forge.parallel.plan import float8_filter
+
+    gate, shared, odd = nn.Linear(64, 4, bias=False), nn.Linear(64, 128), nn.Linear(64, 40)
+    assert not float8_filter(gate, "layers.1.feed_forward.router.gate")
+    assert float8_filter(shared, "layers.1.feed_forward.shared_experts.w1")
+    assert not float8_filter(odd, "layers.0.attention.wq")  # 40 is not a multiple of 16
+    assert not float8_filter(shared, "output")

@@ -9,7 +9,7 @@ import pytest
 from tests.parallel.harness import launch
 from tests.parallel.scenarios import run_scenarios
 
-# Every layout evaluates the same 8 validation samples: eval_batches x micro_batch_size x dp ranks = 8.
+# Every layout evaluates the same 8 validation samples: train.eval_batches (1) global batches of 8.
 RTOL = 1e-4
 COMPILE_RTOL = 1e-3  # inductor fuses and reorders fp32 arithmetic
 
@@ -19,9 +19,9 @@ REFERENCE = {"single": ["parallel=single", "train.micro_batch_size=8"]}
 TWO_RANKS = {
     "ddp": ["parallel=ddp", "train.micro_batch_size=4"],
     "fsdp": ["parallel=fsdp", "train.micro_batch_size=4"],
-    "fsdp_accum": ["parallel=fsdp", "train.micro_batch_size=2", "train.eval_batches=2"],
+    "fsdp_accum": ["parallel=fsdp", "train.micro_batch_size=2"],
     "tp2": ["parallel=tp2", "train.micro_batch_size=8"],
-    "tp2_accum": ["parallel=tp2", "train.micro_batch_size=4", "train.eval_batches=2"],
+    "tp2_accum": ["parallel=tp2", "train.micro_batch_size=4"],
     "fsdp_ac_full": ["parallel=fsdp", "train.micro_batch_size=4", "parallel.activation_checkpoint=full"],
     "fsdp_ac_selective": ["parallel=fsdp", "train.micro_batch_size=4", "parallel.activation_checkpoint=selective"],
 }

@@ -27,7 +27,7 @@ REFERENCE = {
 TWO_RANKS = {
     "pp2_gpipe": ["parallel=pp2", "parallel.pp_schedule=gpipe", "train.micro_batch_size=8"],
     "pp2_1f1b": ["parallel=pp2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=8"],
-    "pp2_1f1b_accum": ["parallel=pp2", "train.micro_batch_size=4", "parallel.microbatches=2", "train.eval_batches=2"],
+    "pp2_1f1b_accum": ["parallel=pp2", "train.micro_batch_size=4", "parallel.microbatches=2"],
     "pp2_interleaved": [
         "parallel=pp2",
         "parallel.pp_schedule=interleaved_1f1b",

@@ -3,17 +3,10 @@
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from forge.checkpoint.errors import CheckpointError
-
-
-def read_metadata(path: Path):
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
-        raise CheckpointError(f"cannot read checkpoint metadata {path / '.metadata'}: {err}") from err
+from forge.checkpoint.untrusted import read_metadata
 
 
 def check_model_keys(

@@ -16,9 +16,11 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from forge.checkpoint.errors import CheckpointError, describe
+from forge.checkpoint.errors import CheckpointError
 from forge.checkpoint.hf import load_hf, save_hf
 from forge.checkpoint.layout import mark_complete, resolve_checkpoint, step_dir
+from forge.checkpoint.run_config import load_run_config
+from forge.checkpoint.untrusted import load_dcp
 from forge.model import Transformer, TransformerArgs
 
 FORMATS = ("hf", "dcp", "torch", "safetensors")
@@ -45,12 +47,7 @@ def _load_dcp(path: Path) -> tuple[dict, TransformerArgs, Path]:
     args = args_from_dict(yaml.safe_load(config_file.read_text())["model"])
     model = empty_model(args)
     state = {"model": model.state_dict()}
-    try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    except BaseException as err:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
-        if isinstance(err, KeyboardInterrupt):
-            raise
-        raise CheckpointError(f"cannot load checkpoint {path}: {describe(err)}") from err
+    load_dcp(state, path)
     return state["model"], args, path
 
 
@@ -83,7 +80,8 @@ def load_any(source: str | Path) -> tuple[dict[str, torch.Tensor], TransformerAr
 
 
 def _copy_tokenizer(checkpoint: Path | None, source: Path, dst: Path) -> None:
-    """Tokenizer files travel with an HF export: copied from an HF source, or rebuilt from the run's data config."""
+    """Tokenizer files travel with an HF export: copied from an HF source, or rebuilt from the run's data config
+    (whose `_target_` must be forge's own, see forge.checkpoint.run_config)."""
     for folder in [source] + ([checkpoint] if checkpoint else []):
         if folder.is_dir():
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -91,7 +89,7 @@ def _copy_tokenizer(checkpoint: Path | None, source: Path, dst: Path) -> None:
                     shutil.copy2(folder / name, dst / name)
     if checkpoint is None or (dst / "tokenizer.json").is_file():
         return
-    data_cfg = yaml.safe_load((checkpoint / "config.yaml").read_text()).get("data")
+    data_cfg = load_run_config(checkpoint / "config.yaml").get("data")
     if not data_cfg or "_target_" not in data_cfg:
         return
     from hydra.utils import instantiate

@@ -7,10 +7,10 @@ complete folder and is replaced atomically, so a reader never sees a half-writte
 
 import os
 import re
-import tempfile
 from pathlib import Path
 
 from forge.checkpoint.errors import CheckpointError
+from forge.files import temp_file
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -41,7 +41,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = temp_file(path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from forge.checkpoint.compat import check_model_keys
-from forge.checkpoint.errors import CheckpointError, describe
+from forge.checkpoint.errors import CheckpointError
 from forge.checkpoint.layout import (
     complete_checkpoints,
     is_complete,
@@ -54,6 +54,7 @@ from forge.checkpoint.layout import (
 from forge.checkpoint.resume_check import check_resume_config
 from forge.checkpoint.rng import rng_state, set_rng_state
 from forge.checkpoint.stages import rename, whole_model_keys, whole_model_names
+from forge.checkpoint.untrusted import load_dcp
 
 log = logging.getLogger("forge")
 
@@ -69,6 +70,16 @@ def _world() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def async_save_group() -> dist.ProcessGroup | None:
+    """A gloo group of all ranks for async saves: DCP runs the save's collectives in a background thread, which
+    must not share a group with the training loop's collectives (they could interleave differently on each rank),
+    and on GPUs the default group is NCCL, which DCP's CPU-side exchange cannot use. Collective: call on every
+    rank. None for one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
 
 
 @dataclass
@@ -89,6 +100,10 @@ class Checkpointer:
         self.root = root if root.is_absolute() else Path(run_dir) / root
         self.config_yaml = config_yaml
         self._pending: tuple[Future, Path] | None = None
+        self._unsealed: Path | None = None  # rank 0: an async save every rank may not have finished yet
+        self._foreign: set[Path] = set()  # checkpoints of another run beside this one (checkpoint.overwrite)
+        self.is_async = cfg.async_mode != "sync"
+        self.async_group = async_save_group() if self.is_async else None
 
     # ---- saving -------------------------------------------------------------------------------------------------
 
@@ -109,6 +124,25 @@ class Checkpointer:
                 log.warning("%s (checkpoint.on_save_error=continue: training anyway)", message)
                 return
             raise CheckpointError(message) from err
+
+    def check_run_dir(self) -> None:
+        """A run that does not continue this run directory's own checkpoints (checkpoint.resume=none or another
+        path) must not mix with them: refused unless checkpoint.overwrite=true, and then retention never deletes
+        them (only what this run wrote). Call before the model is built."""
+        existing = complete_checkpoints(self.root)
+        own = latest_checkpoint(self.root)
+        resumes_here = self.cfg.resume == "auto" or (
+            self.cfg.resume not in ("none", "", None) and own is not None and resolve_checkpoint(self.cfg.resume) == own
+        )
+        if not existing or resumes_here:
+            return
+        if not self.cfg.get("overwrite", False):
+            raise CheckpointError(
+                f"{self.root} already holds {len(existing)} checkpoint(s) of another run (latest {existing[-1].name}) "
+                f"and checkpoint.resume={self.cfg.resume} starts a new one: use another hydra.run.dir, "
+                "checkpoint.resume=auto to continue it, or checkpoint.overwrite=true to write beside them"
+            )
+        self._foreign = set(existing)
 
     def should_save(self, step: int, last_step: int) -> bool:
         interval = self.cfg.interval
@@ -164,7 +198,11 @@ class Checkpointer:
             self._seal(path)
         else:
             future = dcp.async_save(
-                state, checkpoint_id=str(path), async_stager=self._stager(mode), no_dist=not dist.is_initialized()
+                state,
+                checkpoint_id=str(path),
+                async_stager=self._stager(mode),
+                no_dist=not dist.is_initialized(),
+                process_group=self.async_group,
             )
             self._pending = (future if isinstance(future, Future) else future.upload_completion, path)
         return path
@@ -173,17 +211,21 @@ class Checkpointer:
         """Called every step: seal a finished async save without blocking or a collective.
 
         Each rank leaves a marker when its own write finished; rank 0 seals once every rank's marker is there.
+        Every rank forgets its own save as soon as it finished, so all ranks stay in step for `wait`.
         """
-        if self._pending is None or not self._pending[0].done():
-            return
+        if self._pending is not None and self._pending[0].done():
+            self._finish_own_write()
+        if self._unsealed is not None and all((self._unsealed / f".done-rank{r}").exists() for r in range(_world())):
+            self._seal_on_rank0(self._unsealed)
+            self._unsealed = None
+
+    def _finish_own_write(self) -> None:
         future, path = self._pending
+        self._pending = None
         future.result()
         (path / f".done-rank{_rank()}").touch()
-        if _rank() != 0:
-            self._pending = None
-        elif all((path / f".done-rank{r}").exists() for r in range(_world())):
-            self._pending = None
-            self._seal_on_rank0(path)
+        if _rank() == 0:
+            self._unsealed = path
 
     @staticmethod
     def _stager(mode: str):
@@ -197,14 +239,17 @@ class Checkpointer:
         )
 
     def wait(self) -> None:
-        """Finish an outstanding async save and seal it."""
-        if self._pending is None:
-            return
-        future, path = self._pending
-        self._pending = None
-        future.result()
-        (path / f".done-rank{_rank()}").touch()
-        self._seal(path)
+        """Finish an outstanding async save and seal it. Collective: every rank calls it (before each save and at
+        the end), whether or not it still has a write in flight, so the barriers always pair."""
+        if not self.is_async:
+            return  # sync saves seal as they write
+        if self._pending is not None:
+            self._finish_own_write()
+        _barrier()  # every rank's marker is on disk now
+        if self._unsealed is not None:
+            self._seal_on_rank0(self._unsealed)
+            self._unsealed = None
+        _barrier()
 
     def _seal(self, path: Path) -> None:
         _barrier()
@@ -220,7 +265,9 @@ class Checkpointer:
 
     def _prune(self) -> None:
         milestones = set(self.cfg.milestones)
-        periodic = [p for p in complete_checkpoints(self.root) if step_of(p) not in milestones]
+        periodic = [
+            p for p in complete_checkpoints(self.root) if step_of(p) not in milestones and p not in self._foreign
+        ]
         for old in periodic[: -self.cfg.keep_last_n]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -250,10 +297,7 @@ class Checkpointer:
         model_sd, optim_sd = rename(model_sd, optim_sd, names)
         check_model_keys(path, model_sd, whole_keys=whole_model_keys(model))
         state = {"model": model_sd, "optim": optim_sd}
-        try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        except (Exception, CheckpointException) as err:  # noqa: BLE001 - name the checkpoint whatever DCP raised
-            raise CheckpointError(f"cannot load checkpoint {path}: {describe(err)}") from err
+        load_dcp(state, path, no_dist=not dist.is_initialized())
         model_sd, optim_sd = rename(state["model"], state["optim"], {v: k for k, v in names.items()})
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         extra = self._extra(path)
@@ -293,10 +337,7 @@ class Checkpointer:
         check_model_keys(path, model_sd, exclude=exclude, whole_keys=whole)
         wanted = {k: v for k, v in model_sd.items() if not k.startswith(exclude)}
         state = {"model": wanted}
-        try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        except (Exception, CheckpointException) as err:  # noqa: BLE001
-            raise CheckpointError(f"cannot load weights from {path}: {describe(err)}") from err
+        load_dcp(state, path, no_dist=not dist.is_initialized(), action="load weights from")
         loaded, _ = rename(state["model"], None, {v: k for k, v in names.items()})
         set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
         log.info("warm start: weights from %s", path)

@@ -218,7 +218,8 @@ class TrainConfig:
     eval_every: int = 50
     """Steps between evaluations on the validation split (0 = only at the end)."""
     eval_batches: int = 8
-    """Micro-batches of validation data per evaluation."""
+    """Validation data per evaluation, in global batches (train.global_batch_size samples each): the same samples
+    whatever the micro-batch size and the number of ranks, so a resume in another layout continues the curve."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is always logged)."""
     device: str = "auto"
@@ -249,6 +250,9 @@ class CheckpointConfig:
     check_resume_config: bool = True
     """Refuse a resume that changes train.global_batch_size, seq_len, seed or the optimizer or scheduler kind;
     false resumes anyway (the data position and optimizer state then mean something else)."""
+    overwrite: bool = False
+    """Let a run that does not resume (resume=none, or another run's checkpoint) start in a run directory that
+    already holds checkpoints; they are kept (retention deletes only this run's own), same steps are replaced."""
     load_weights: Optional[str] = None
     """Warm start: load only model weights from this checkpoint (a run directory or a checkpoint folder)."""
     load_weights_exclude: list[str] = field(default_factory=list)

@@ -134,6 +134,44 @@ def fit_warmup_to_run(cfg: DictConfig, explicit_keys: frozenset[str]) -> str | N
     return f"scheduler.warmup_steps={warmup} is longer than train.steps={steps}: warmup cut to {steps} steps"
 
 
+UNSUPPORTED = (
+    # (name, applies to (cfg, degrees), why and what to use instead); docs/status.md lists every name
+    ("tp+qk_norm", lambda c, d: d.tp > 1 and c.model.get("qk_norm", False),
+     "the per-head q/k norms are not split over tensor-parallel ranks yet; use model.qk_norm=false or parallel.tp=1"),
+    ("tp+moe", lambda c, d: d.tp > 1 and c.model.get("moe") is not None,
+     "MoE feed-forward layers are not tensor-parallel; split the experts with parallel.ep instead (parallel.tp=1)"),
+    ("tp+pp", lambda c, d: d.tp > 1 and d.pp > 1, "pipeline stages are not tensor-parallel yet; use one of the two"),
+    ("fp8+tp", lambda c, d: c.parallel.fp8 and d.tp > 1,
+     "float8 needs float8 tensor-parallel styles, which are not implemented; use parallel.tp=1 with fp8"),
+    ("pp+tie_embeddings", lambda c, d: d.pp > 1 and c.model.get("tie_embeddings", False),
+     "the first and last stage would each need the shared embedding; use model.tie_embeddings=false or "
+     "parallel.pp=1"),
+    ("pp+document_masking", lambda c, d: d.pp > 1 and c.data.get("document_masking", False),
+     "pipeline stages do not pass the document mask between them; use data.document_masking=false or "
+     "parallel.pp=1"),
+)  # fmt: skip
+"""Combinations that fail later (in the plan or the first step) if not refused here."""
+
+
+def unsupported_keys(name: str, cfg: DictConfig, degrees: Degrees) -> str:
+    """The keys and values of a combination, as the user set them."""
+    values = {
+        "tp": f"parallel.tp={degrees.tp}",
+        "pp": f"parallel.pp={degrees.pp}",
+        "qk_norm": "model.qk_norm=true",
+        "moe": "an MoE model (model.moe is set)",
+        "fp8": "parallel.fp8=true",
+        "tie_embeddings": "model.tie_embeddings=true",
+        "document_masking": "data.document_masking=true",
+    }
+    return " with ".join(values[part] for part in name.split("+"))
+
+
+def validate_combinations(cfg: DictConfig, degrees: Degrees) -> None:
+    for name, applies, why in UNSUPPORTED:
+        _require(not applies(cfg, degrees), f"{unsupported_keys(name, cfg, degrees)} is not supported: {why}")
+
+
 def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
     parallel, model = cfg.parallel, cfg.model
     _one_of("parallel.activation_checkpoint", parallel.activation_checkpoint, ACTIVATION_CHECKPOINT)
@@ -368,6 +406,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     degrees = resolve_degrees(cfg.parallel, world_size)
     validate_train(cfg, degrees)
     validate_parallel(cfg, degrees)
+    validate_combinations(cfg, degrees)
     validate_optimizer_and_schedule(cfg)
     validate_metrics(cfg)
     validate_checkpoint(cfg)

@@ -8,13 +8,13 @@ import hashlib
 import logging
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from forge.data.tokenizer import EOS, gpt2_tokenizer, package_dir, train_bpe
+from forge.files import temp_file
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def read_scenes() -> list[str]:
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp.npy")
+    fd, tmp = temp_file(path.parent, suffix=".tmp.npy")
     with os.fdopen(fd, "wb") as f:
         np.save(f, array)
     os.replace(tmp, path)
@@ -83,7 +83,7 @@ class EmbeddedCorpus:
         log.info("training a %d-token byte-level BPE on the embedded corpus", vocab_size)
         tokenizer = train_bpe(docs, vocab_size)
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp.json")
+        fd, tmp = temp_file(folder, suffix=".tmp.json")
         os.close(fd)
         tokenizer.save(tmp)
         os.replace(tmp, path)

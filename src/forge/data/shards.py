@@ -8,12 +8,12 @@ count and sha256, which `open_shards` checks.
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from forge.data.sources import DataError
+from forge.files import temp_file
 
 META = "meta.json"
 TOKENIZER = "tokenizer.json"
@@ -26,8 +26,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, 0o644)
+    fd, tmp = temp_file(path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -66,8 +65,7 @@ class ShardWriter:
 
     def _write(self, tokens: np.ndarray) -> None:
         name = f"shard_{len(self.shards):05d}.npy"
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{name}.", suffix=".tmp")
-        os.fchmod(fd, 0o644)
+        fd, tmp = temp_file(self.folder, prefix=f".{name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             np.save(f, tokens)
         os.replace(tmp, self.folder / name)

@@ -5,12 +5,13 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tokenizers import Tokenizer
 
 from forge.checkpoint.convert import load_pretrained
 from forge.checkpoint.errors import CheckpointError
 from forge.checkpoint.layout import resolve_checkpoint
+from forge.checkpoint.run_config import load_run_config
 from forge.data.tokenizer import eos_id_of, load_tokenizer
 from forge.model import Transformer
 
@@ -23,12 +24,13 @@ class Loaded:
 
 
 def run_config_of(source: str | Path) -> DictConfig | None:
-    """The checkpoint's config.yaml (the run's composed config), when the source is a run or DCP checkpoint."""
+    """The checkpoint's config.yaml (the run's composed config), when the source is a run or DCP checkpoint; a
+    `_target_` in it that is not forge's own is refused (see forge.checkpoint.run_config)."""
     src = Path(source).expanduser()
     if not src.is_dir() or (src / "config.json").is_file():
         return None
     config_file = resolve_checkpoint(src) / "config.yaml"
-    return OmegaConf.load(config_file) if config_file.is_file() else None
+    return load_run_config(config_file) if config_file.is_file() else None
 
 
 def load(source: str | Path, device: torch.device) -> Loaded:

@@ -12,36 +12,36 @@ processor, the same frame sampling).
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from forge.checkpoint.errors import CheckpointError, describe
+from forge.checkpoint.errors import CheckpointError
 from forge.checkpoint.layout import resolve_checkpoint
+from forge.checkpoint.run_config import load_run_config
+from forge.checkpoint.untrusted import load_dcp
 from forge.data.vlm.dataset import MediaRecord
 from forge.generate.sampling import next_token
 from forge.model.vlm.base import VLMCache
 
 
 def load_vlm(source: str | Path, device: torch.device):
-    """(model, corpus, run config) of a VLM run directory or checkpoint folder, weights from its DCP checkpoint."""
+    """(model, corpus, run config) of a VLM run directory or checkpoint folder, weights from its DCP checkpoint.
+    The config is read (and a foreign `_target_` refused) before the training stack is even imported."""
+    path = resolve_checkpoint(Path(source).expanduser())
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.yaml: a VLM checkpoint needs the run's config")
+    cfg: DictConfig = load_run_config(config_file)
+    if cfg.get("vlm") is None:
+        raise CheckpointError(f"{path} is a text model's checkpoint (its config has no vlm)")
+
     from hydra.utils import instantiate
     from transformers import AutoImageProcessor
 
     from forge.train.vlm_trainer import build_vlm
 
-    path = resolve_checkpoint(Path(source).expanduser())
-    config_file = path / "config.yaml"
-    if not config_file.is_file():
-        raise CheckpointError(f"{path} has no config.yaml: a VLM checkpoint needs the run's config")
-    cfg: DictConfig = OmegaConf.load(config_file)
-    if cfg.get("vlm") is None:
-        raise CheckpointError(f"{path} is a text model's checkpoint (its config has no vlm)")
     model = build_vlm(cfg, cfg.train.seed)
     state = {"model": model.state_dict()}
-    try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    except Exception as err:  # noqa: BLE001 - name the checkpoint whatever DCP raised
-        raise CheckpointError(f"cannot load VLM checkpoint {path}: {describe(err)}") from err
+    load_dcp(state, path, action="load VLM checkpoint")
     model.load_state_dict(state["model"])
     processor = AutoImageProcessor.from_pretrained(model.encoder_path)
     corpus = instantiate(cfg.data, image_processor=processor, _convert_="all")

@@ -37,7 +37,9 @@ class MoEArgs:
     router: str = "softmax_topk"
     """Router kind: softmax_topk (aux-loss balanced) or sigmoid_topk (aux-loss-free bias balancing)."""
     aux_loss_coef: float = 0.01
-    """Weight of the Switch-style load-balancing loss (softmax router)."""
+    """Weight of the Switch-style load-balancing loss (softmax router). The loss scores 1 for a perfectly even
+    router (E * sum f_i P_i with f over the k assignments); HF Mixtral / GShard's scores top_k, so their
+    coefficient c corresponds to c x top_k here."""
     z_loss_coef: float = 0.001
     """Weight of the router z-loss."""
     bias_update_rate: float = 0.001

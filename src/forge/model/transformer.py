@@ -154,11 +154,18 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> bool:
+        """Make the output head use the embedding matrix when args.tie_embeddings (and this part holds both);
+        call again after anything that re-creates parameters (to_empty, a tensor-parallel split)."""
+        tied = self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None
+        if tied:
+            self.output.weight = self.tok_embeddings.weight
+        return tied
 
     def init_weights(self) -> None:
         """(Re)initialise every parameter and buffer in place; call after `to_empty` from the meta device."""
@@ -175,10 +182,7 @@ class Transformer(nn.Module):
             block.init_weights(std, out_std)
         if self.norm is not None:
             self.norm.reset_parameters()
-        if args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
-            # to_empty() re-creates each module's parameters separately, which unties them.
-            self.output.weight = self.tok_embeddings.weight
-        elif self.output is not None:
+        if not self.tie_weights() and self.output is not None:  # to_empty() untied them: tie again
             head_std = args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, std=head_std, a=-3 * head_std, b=3 * head_std)
 

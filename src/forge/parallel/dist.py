@@ -79,14 +79,32 @@ def is_main_process() -> bool:
 
 @contextlib.contextmanager
 def local_rank_zero_first(env: DistEnv | None = None) -> Iterator[None]:
-    """Run the body on each node's local rank 0 first (e.g. to fill a disk cache), then on the other ranks."""
+    """Run the body on each node's local rank 0 first (e.g. to fill a disk cache), then on the other ranks.
+
+    One all-reduce instead of a barrier carries whether a local rank 0 failed, so the waiting ranks stop at once
+    with an error naming that instead of sitting out the collective timeout.
+    """
     env = env or read_dist_env()
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if distributed and env.local_rank != 0:
-        dist.barrier()
-    yield
-    if distributed and env.local_rank == 0:
-        dist.barrier()
+    first = env.local_rank == 0
+    if distributed and not first and _all_ranks_flag(False):
+        raise RuntimeError("a local rank 0 failed in the step every rank waits for (see its error above)")
+    try:
+        yield
+    except BaseException:
+        if distributed and first:
+            _all_ranks_flag(True)
+        raise
+    if distributed and first:
+        _all_ranks_flag(False)
+
+
+def _all_ranks_flag(failed: bool) -> bool:
+    """True when any rank passed True (an all-reduce on the default group)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor(int(failed), device=device)
+    dist.all_reduce(flag)
+    return bool(flag.item())
 
 
 def shared_run_dir(run_dir: str) -> str:

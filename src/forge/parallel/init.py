@@ -30,6 +30,8 @@ def materialize_from_reference(model: nn.Module, build_reference: Callable[[], n
     large models should instead initialise DTensors directly with torch.distributed.tensor's RNG.
     """
     model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty re-created the shared embedding once per module
     reference = build_reference()
     set_model_state_dict(model, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
     buffers = {plain_name(name): buf for name, buf in reference.named_buffers()}

@@ -112,11 +112,19 @@ def dp_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
     return sub.get_local_rank(), sub.size()
 
 
+def sum_over_dp(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """Sum a tensor over the data-parallel ranks (a copy; the value itself for one rank)."""
+    sub = dp_mesh(mesh)
+    if sub is None or sub.size() == 1:
+        return value
+    total = value.detach().clone()
+    dist.all_reduce(total, group=sub.get_group())
+    return total
+
+
 def mean_over_dp(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """Average a scalar over the data-parallel ranks (a no-op for one rank)."""
     sub = dp_mesh(mesh)
     if sub is None or sub.size() == 1:
         return value
-    total = value.detach().clone()
-    dist.all_reduce(total, group=sub.get_group())  # gloo has no ReduceOp.AVG
-    return total / sub.size()
+    return sum_over_dp(value, mesh) / sub.size()  # gloo has no ReduceOp.AVG

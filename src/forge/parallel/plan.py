@@ -95,9 +95,28 @@ def apply_float8(model: nn.Module, degrees: Degrees) -> None:
     convert_to_float8_training(
         model,
         config=Float8LinearConfig(enable_fsdp_float8_all_gather=degrees.dp_shard > 1),
-        module_filter_fn=lambda module, fqn: isinstance(module, nn.Linear) and fqn.startswith("layers."),
+        module_filter_fn=float8_filter,
     )
-    log.info("float8 training of the blocks' linear layers (torchao)")
+    log.info("float8 training of the blocks' linear layers (torchao; MoE routers and odd shapes stay high precision)")
+
+
+def float8_filter(module: nn.Module, fqn: str) -> bool:
+    """Which linears train in float8: the blocks' (not the head), except MoE router gates (routing decisions are
+    sensitive to rounding, and the gate is tiny) and layers whose dimensions are not multiples of 16 (float8
+    matmuls need them). Routed experts are grouped weights, not nn.Linear, and stay high precision."""
+    if not isinstance(module, nn.Linear) or not fqn.startswith("layers.") or fqn.endswith("router.gate"):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def float8_all_gather_enabled(model: nn.Module) -> bool:
+    """Whether the model has float8 linears whose FSDP all-gather runs in float8 (their scales then need a refresh
+    after every optimizer step: `precompute_float8_dynamic_scale_for_fsdp`)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if type(module).__name__ == "Float8Linear" and getattr(config, "enable_fsdp_float8_all_gather", False):
+            return True
+    return False
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:

@@ -36,6 +36,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     if model.output is not None:
         root_plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     parallelize_module(model, tp_mesh, root_plan)
+    model.tie_weights()  # both splits are Shard(0) of the (vocab, dim) matrix: one DTensor serves both
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),

@@ -19,9 +19,9 @@ from forge.model.transformer import build_transformer
 from forge.parallel import dist
 from forge.parallel.expert import sum_over_ranks
 from forge.parallel.grads import clip_grad_norm, set_gradient_sync
-from forge.parallel.mesh import build_mesh, dp_rank_and_size, mean_over_dp
+from forge.parallel.mesh import build_mesh, dp_rank_and_size, mean_over_dp, sum_over_dp
 from forge.parallel.pipeline import Pipeline, build_pipeline
-from forge.parallel.plan import parallelize
+from forge.parallel.plan import float8_all_gather_enabled, parallelize
 from forge.resilience import EXIT_PREEMPTED
 from forge.resilience.guard import RollbackRequested, StepGuard
 from forge.resilience.hard_exit import on_hard_exit
@@ -39,18 +39,26 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, device: torch.device, dtype: str) -> float:
-    """Mean loss over the given (inputs, labels) batches."""
+    """Mean loss over the labelled tokens of the given (inputs, labels) batches."""
+    total, tokens = token_loss_sum(model, batches, device, dtype)
+    return (total / tokens.clamp(min=1)).item()
+
+
+@torch.no_grad()
+def token_loss_sum(model: nn.Module, batches, device: torch.device, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the token losses, labelled tokens) over the batches: sums, so that ranks can add theirs."""
     was_training = model.training
     model.eval()
-    total, count = torch.zeros((), device=device), 0
+    total, tokens = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in batches:
         inputs, labels, attn_mask = batch_to_device(batch, device)
         with autocast(device, dtype):
             logits = model(inputs, attn_mask=attn_mask)
-        total += cross_entropy(logits, labels)
-        count += 1
+        count = (labels != -100).sum()
+        total += cross_entropy(logits, labels) * count
+        tokens += count
     model.train(was_training)
-    return (total / max(count, 1)).item()
+    return total, tokens
 
 
 def set_optimizer_mode(optimizer, mode: str) -> None:
@@ -93,18 +101,21 @@ class Trainer:
         if not dist.is_main_process():
             log.setLevel(logging.WARNING)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, build.config_yaml(cfg))
+        self.checkpointer.check_run_dir()  # a fresh run never mixes with another run's checkpoints
         if dist.is_main_process():
             self.checkpointer.check_writable()  # before the model is built, not at the first save
         self.mesh = build_mesh(self.degrees, self.device.type)
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
 
         self.build_model_and_data()
+        self.float8_all_gather = float8_all_gather_enabled(self.model)
         self.optimizer, self.scheduler = build.build_optimizer(cfg, self.model)
         set_optimizer_mode(self.optimizer, "train")  # schedule-free: DCP's state init takes a (zero-lr) step
         self.loss_fn = build.build_loss(cfg)
         self.loader = build.build_loader(cfg, self.corpus, self.dp_rank, self.dp_size)
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * self.dp_size)
         self.tokens_per_step = train.global_batch_size * train.seq_len
+        self.eval_micro_batches = train.eval_batches * self.grad_accum  # per rank: eval_batches global batches
         self.state = self.restore()
         self.guard = StepGuard(cfg.resilience)
         self.preempted = False
@@ -171,37 +182,64 @@ class Trainer:
         set_optimizer_mode(self.optimizer, "train")
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) as tensors."""
+        """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) as tensors.
+
+        The loss is the mean over the global batch's labelled tokens, whatever the micro-batch size, accumulation
+        and dp size: each micro-batch's mean is weighted by its share of the labelled tokens of the whole step
+        (counted up front, one all-reduce), so ignored labels (document masking, VLM prompts) weigh nothing. The
+        MoE aux and z losses are each a mean over a micro-batch's tokens, averaged over micro-batches and ranks.
+        """
         train = self.cfg.train
-        loss_sum = torch.zeros((), device=self.device)
-        for micro in range(self.grad_accum):
-            set_gradient_sync(self.model, micro == self.grad_accum - 1)
-            with self.meter.waiting_for_data():
-                batch = self.loader.next_batch()
-            if self.pipeline is not None:
-                inputs, labels, attn_mask = batch_to_device(batch, self.device)
-                if attn_mask is not None:
-                    raise NotImplementedError("parallel.pp > 1 with data.document_masking=true is not supported")
-                with autocast(self.device, self.dtype):
-                    loss_sum += self.pipeline.step(inputs, labels)  # schedules average over their microbatches
-                continue
-            loss = self.guard.inject(self.state.step + 1, self.batch_loss(batch))
-            ((loss + router_losses(self.model)) / self.grad_accum).backward()  # MoE aux + z losses
-            loss_sum += loss.detach()
-        pp_group = None
+        with self.meter.waiting_for_data():
+            batches = [self.loader.next_batch() for _ in range(self.grad_accum)]
         if self.pipeline is not None:
-            pp_group = self.pipeline.group
-            loss_sum = self.pipeline.from_last_stage(loss_sum)
-            self.pipeline.average_grads(self.grad_accum)
+            loss_sum, pp_group = self.pipeline_step(batches), self.pipeline.group
+        else:
+            pp_group = None
+            weights = self.token_weights(batches)
+            loss_sum = torch.zeros((), device=self.device)
+            for micro, batch in enumerate(batches):
+                set_gradient_sync(self.model, micro == self.grad_accum - 1)
+                loss = self.guard.inject(self.state.step + 1, self.batch_loss(batch))
+                (loss * weights[micro] + router_losses(self.model) / self.grad_accum).backward()
+                loss_sum += loss.detach() * weights[micro]
         grad_norm = clip_grad_norm(self.model, train.grad_clip, pp_group)
         if self.guard.step_is_finite(self.state.step + 1, loss_sum, grad_norm):
             self.optimizer.step()
             update_router_biases(self.model, sum_over_ranks)  # sigmoid routers: outside the gradient
+            if self.float8_all_gather:
+                from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+                precompute_float8_dynamic_scale_for_fsdp(self.model)  # one all-reduce of all scales, not one each
         self.scheduler.step()
         for group in self.optimizer.param_groups:  # data phases may scale the next step's lr (mixture annealing)
             group["lr"] *= self.loader.lr_scale
         self.optimizer.zero_grad(set_to_none=True)
-        return mean_over_dp(loss_sum / self.grad_accum, self.mesh), grad_norm
+        return mean_over_dp(loss_sum, self.mesh), grad_norm
+
+    def labelled_tokens(self, batch) -> torch.Tensor:
+        """Tokens of a micro-batch that carry a label (not -100)."""
+        return (batch[1] != -100).sum()
+
+    def token_weights(self, batches: list) -> torch.Tensor:
+        """Per micro-batch: its labelled tokens x dp ranks / the step's labelled tokens over all ranks, so that
+        sum(weight x micro-batch mean) averaged over the ranks (as FSDP/DDP average gradients) is the token mean."""
+        counts = torch.stack([self.labelled_tokens(b) for b in batches]).to(self.device, torch.float32)
+        total = sum_over_dp(counts.sum(), self.mesh)
+        return counts * self.dp_size / total.clamp(min=1)
+
+    def pipeline_step(self, batches: list) -> torch.Tensor:
+        """The micro-batches through the pipeline schedule; returns the summed loss (every pp rank has it).
+        Text batches without document masking label every token, so the schedules' mean of means is the token
+        mean (document masking is refused with pp by validation)."""
+        loss_sum = torch.zeros((), device=self.device)
+        for micro, batch in enumerate(batches):
+            set_gradient_sync(self.model, micro == self.grad_accum - 1)
+            inputs, labels, _ = batch_to_device(batch, self.device)
+            with autocast(self.device, self.dtype):
+                loss_sum += self.pipeline.step(inputs, labels)  # schedules average over their microbatches
+        self.pipeline.average_grads(self.grad_accum)
+        return self.pipeline.from_last_stage(loss_sum) / self.grad_accum
 
     def batch_loss(self, batch) -> torch.Tensor:
         """The mean token loss of one micro-batch (with autograd)."""
@@ -228,14 +266,15 @@ class Trainer:
         set_optimizer_mode(self.optimizer, "eval")  # schedule-free: evaluate the averaged weights
         eos = build.document_eos(self.cfg, self.corpus)
         batches = eval_batches(
-            self.val_windows, train.micro_batch_size, train.eval_batches, self.dp_rank, self.dp_size, eos
+            self.val_windows, train.micro_batch_size, self.eval_micro_batches, self.dp_rank, self.dp_size, eos
         )
         if self.pipeline is not None:
-            val_loss = self.evaluate_pipeline(batches)
+            val_loss = mean_over_dp(self.evaluate_pipeline(batches), self.mesh)
         else:
-            val_loss = torch.tensor(evaluate(self.model, batches, self.device, self.dtype), device=self.device)
+            total, tokens = token_loss_sum(self.model, batches, self.device, self.dtype)
+            val_loss = sum_over_dp(total, self.mesh) / sum_over_dp(tokens, self.mesh).clamp(min=1)
         set_optimizer_mode(self.optimizer, "train")
-        return mean_over_dp(val_loss, self.mesh).item()
+        return val_loss.item()
 
     def evaluate_pipeline(self, batches) -> torch.Tensor:
         """Mean loss over the batches through a forward-only pass of the schedule, on every pp rank."""

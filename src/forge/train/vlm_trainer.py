@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 import forge.config  # noqa: F401  (first: forge.parallel.degrees and forge.config import each other)
 from forge.parallel import dist
-from forge.parallel.mesh import mean_over_dp
+from forge.parallel.mesh import sum_over_dp
 from forge.parallel.vlm import parallelize_vlm
 from forge.train import build
 from forge.train.precision import autocast
@@ -99,11 +99,15 @@ class VLMTrainer(Trainer):
         train = self.cfg.train
         was_training = self.model.training
         self.model.eval()
-        total, count = torch.zeros((), device=self.device), 0
+        total, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for batch in self.corpus.eval_batches(
-            train.seq_len, train.micro_batch_size, train.eval_batches, self.dp_rank, self.dp_size
+            train.seq_len, train.micro_batch_size, self.eval_micro_batches, self.dp_rank, self.dp_size
         ):
-            total += self.batch_loss(batch)
-            count += 1
+            count = self.labelled_tokens(batch).to(self.device)
+            total += self.batch_loss(batch) * count
+            tokens += count
         self.model.train(was_training)
-        return mean_over_dp(total / max(count, 1), self.mesh).item()
+        return (sum_over_dp(total, self.mesh) / sum_over_dp(tokens, self.mesh).clamp(min=1)).item()
+
+    def labelled_tokens(self, batch: dict) -> torch.Tensor:
+        return (batch["labels"] != -100).sum()

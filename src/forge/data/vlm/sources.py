@@ -4,7 +4,6 @@ records (a jsonl file, or an image folder with a metadata.jsonl as Hugging Face'
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -12,6 +11,7 @@ from tokenizers import Tokenizer
 from forge.data.tokenizer import EOS, load_tokenizer, package_dir, train_bpe
 from forge.data.vlm.dataset import MediaRecord, VLMCorpus
 from forge.data.vlm.media import video_duration
+from forge.files import temp_file
 
 VIDEO_FILES = ("bigbuckbunny.mp4", "bikes.mp4", "carphone_pristine.mp4")
 
@@ -28,7 +28,7 @@ def record_tokenizer(records: list[MediaRecord], spec: str, vocab_size: int, cac
         return Tokenizer.from_file(str(path))
     tokenizer = train_bpe(texts, vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp.json")
+    fd, tmp = temp_file(path.parent, suffix=".tmp.json")
     os.close(fd)
     tokenizer.save(tmp)
     os.replace(tmp, path)

@@ -7,11 +7,12 @@ it back through the same from_pretrained path a user's real checkpoint takes.
 """
 
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from forge.files import temp_dir
 
 TINY_ENCODERS = ("clip", "siglip")
 
@@ -45,7 +46,7 @@ def build_tiny_encoder(folder: str | Path, kind: str = "clip", image_size: int =
             model = SiglipVisionModel(SiglipVisionConfig(**shape))
             processor = SiglipImageProcessor(size={"height": image_size, "width": image_size})
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    tmp = Path(temp_dir(folder.parent, prefix=f".{folder.name}-"))
     model.save_pretrained(tmp)
     processor.save_pretrained(tmp)
     try:

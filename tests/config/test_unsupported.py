@@ -1,0 +1,62 @@
+"""Each unsupported combination is refused by validation: exit 2, one line, before any process group or model.
+
+They used to raise NotImplementedError after the process group and the model were built (a traceback, exit 1).
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from forge.config import ConfigError, compose, validate
+from forge.config.validate import UNSUPPORTED
+from tests.conftest import ROOT, forge_cmd
+
+CASES = {  # name -> (overrides, world size)
+    "tp+qk_norm": (["parallel=tp2", "model.qk_norm=true"], 2),
+    "tp+moe": (["parallel=tp2", "model=moe_tiny"], 2),
+    "tp+pp": (["parallel=pp2", "parallel.tp=2"], 4),
+    "fp8+tp": (["parallel=tp2", "parallel.fp8=true"], 2),
+    "pp+tie_embeddings": (["parallel=pp2", "model=llama3_1b"], 2),  # the shipped preset is tied
+    "pp+document_masking": (["parallel=pp2", "data.document_masking=true"], 2),
+}
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return lines[0]
+
+
+def test_every_table_entry_has_a_case_and_is_documented():
+    status = (ROOT / "docs" / "status.md").read_text()
+    for name, _, _ in UNSUPPORTED:
+        assert name in CASES, name
+        assert f"`{name}`" in status, f"docs/status.md does not list {name}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_validation_refuses(name):
+    overrides, world = CASES[name]
+    with pytest.raises(ConfigError, match="is not supported"):
+        validate(compose(overrides), world_size=world)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_refuses_with_one_line(name, tmp_path):
+    overrides, world = CASES[name]
+    cmd = forge_cmd("--plan", *overrides, f"parallel.world_size={world}", f"hydra.run.dir={tmp_path}")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "is not supported" in one_line(proc)
+
+
+@pytest.mark.dist
+def test_torchrun_refuses_on_every_rank_before_a_process_group(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "forge.train",
+           *CASES["pp+tie_embeddings"][0], f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    refusals = [line for line in proc.stderr.splitlines() if "invalid config" in line]
+    assert len(refusals) == 2 and "model.tie_embeddings=true" in refusals[0], proc.stderr[-3000:]
+    assert "forge/" not in proc.stderr.replace("-m forge.train", "")  # no frame of ours (torchrun reports its own)
