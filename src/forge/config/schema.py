@@ -47,6 +47,15 @@ class ParallelConfig:
     """Float8 training of linear layers through torchao (needs a GPU with fp8, or runs slowly on CPU)."""
     world_size: Optional[int] = None
     """Expected number of processes; None reads it from torchrun's or SLURM's environment."""
+    param_dtype: Optional[str] = None
+    """FSDP mixed precision: dtype of the all-gathered (unsharded) parameters, bf16 or fp32; null follows the
+    compute dtype (train.dtype). The sharded master weights and the optimizer state stay fp32."""
+    reduce_dtype: str = "fp32"
+    """FSDP mixed precision: dtype in which gradients are reduce-scattered / all-reduced (fp32 or bf16)."""
+    defer_grad_sync: Optional[bool] = None
+    """Gradient accumulation: true reduces gradients only after the last micro-batch (fewer collectives, but
+    FSDP then holds an unsharded gradient of the whole model per rank); false reduce-scatters after every
+    micro-batch (gradient memory stays the shard); null: false when parameters are sharded, true for DDP."""
 
 
 @dataclass

@@ -176,6 +176,9 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
     parallel, model = cfg.parallel, cfg.model
     _one_of("parallel.activation_checkpoint", parallel.activation_checkpoint, ACTIVATION_CHECKPOINT)
     _one_of("parallel.pp_schedule", parallel.pp_schedule, PP_SCHEDULES)
+    if parallel.get("param_dtype") is not None:
+        _one_of("parallel.param_dtype", parallel.param_dtype, ("bf16", "fp32"))
+    _one_of("parallel.reduce_dtype", parallel.get("reduce_dtype", "fp32"), ("bf16", "fp32"))
     kv = model.n_kv_heads or model.n_heads
     _require(
         model.n_heads % degrees.tp == 0 and kv % degrees.tp == 0,

@@ -5,6 +5,7 @@ embedding, final norm and output head may be None on a stage that holds only a s
 """
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -167,24 +168,58 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return tied
 
-    def init_weights(self) -> None:
-        """(Re)initialise every parameter and buffer in place; call after `to_empty` from the meta device."""
+    def init_parts(self) -> list[tuple[str, nn.Module]]:
+        """The units of initialisation, by plain name: embedding, each block, final norm, head (those this part
+        of the model holds; a tied head is the embedding's and no unit of its own)."""
+        parts: list[tuple[str, nn.Module]] = []
+        if self.tok_embeddings is not None:
+            parts.append(("tok_embeddings", self.tok_embeddings))
+        parts += [(f"layers.{key}", block) for key, block in self.layers.items()]
+        if self.norm is not None:
+            parts.append(("norm", self.norm))
+        if self.output is not None and not self.args.tie_embeddings:
+            parts.append(("output", self.output))
+        return parts
+
+    def init_part(self, name: str, module: nn.Module) -> None:
+        """Initialise one unit of `init_parts` in place (`module` may be a standalone copy of it)."""
+        args = self.args
+        std = args.init_std
+        if name == "tok_embeddings":
+            nn.init.normal_(module.weight, std=std)
+        elif name.startswith("layers."):
+            module.init_weights(std, std / math.sqrt(2 * args.n_layers) if args.depth_init else std)
+        elif name == "norm":
+            module.reset_parameters()
+        elif name == "output":
+            head_std = args.dim**-0.5
+            nn.init.trunc_normal_(module.weight, std=head_std, a=-3 * head_std, b=3 * head_std)
+        else:
+            raise ValueError(f"no init unit named {name!r}")
+
+    def init_buffers(self) -> None:
         args = self.args
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
         with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
-        std = args.init_std
-        out_std = std / math.sqrt(2 * args.n_layers) if args.depth_init else std
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for block in self.layers.values():
-            block.init_weights(std, out_std)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if not self.tie_weights() and self.output is not None:  # to_empty() untied them: tie again
-            head_std = args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, std=head_std, a=-3 * head_std, b=3 * head_std)
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """(Re)initialise every parameter and buffer in place; call after `to_empty` from the meta device.
+
+        With `seed`, each unit draws from its own generator seeded by (seed, its plain name), so a unit gets the
+        same values whether the whole model, one pipeline stage or a copy of that unit alone is initialised (how a
+        sharded model is filled one unit at a time). Without, the units draw in turn from the global generator.
+        """
+        self.init_buffers()
+        for name, part in self.init_parts():
+            if seed is None:
+                self.init_part(name, part)
+                continue
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(unit_seed(seed, name))
+                self.init_part(name, part)
+        self.tie_weights()  # to_empty() re-created the shared matrix once per module: tie again
 
     def forward(
         self,
@@ -226,7 +261,10 @@ def build_transformer(args: TransformerArgs, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.init_weights()
+    model.init_weights(seed=seed)
     return model
+
+
+def unit_seed(seed: int, name: str) -> int:
+    """The seed of one initialisation unit: stable across processes and Python runs (no hash randomisation)."""
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63

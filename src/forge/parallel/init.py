@@ -1,11 +1,13 @@
 """Initial weights of a parallelized model, identical to a single process's with the same seed."""
 
-from collections.abc import Callable
+import copy
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
+
+from forge.model.transformer import unit_seed
 
 # Wrappers that the plan adds around blocks; stripped to match the plain model's names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -21,20 +23,27 @@ def plain_name(name: str) -> str:
     return name
 
 
-def materialize_from_reference(model: nn.Module, build_reference: Callable[[], nn.Module], device) -> None:
-    """Allocate `model` (sharded, on the meta device) and copy in this rank's part of a full reference model.
+def materialize_sharded(model: nn.Module, plain: nn.Module, seed: int, device) -> None:
+    """Allocate `model` (parallelized, on the meta device) and fill this rank's shards with the weights one
+    process would give it from `seed`, one initialisation unit at a time.
 
-    `build_reference` builds and initialises the whole model on the CPU exactly as a single process would; its
-    tensors are split into the model's DTensor layouts (any mix of FSDP and TP placements). It costs one full
-    copy of the model in host memory per rank while it runs, which suits the model sizes tested on CPU; very
-    large models should instead initialise DTensors directly with torch.distributed.tensor's RNG.
+    `plain` is the same model unparallelized on the meta device (it costs nothing); each of its units (embedding,
+    one block, norm, head: `init_parts`) in turn is copied to the CPU, initialised from its own seed, split into
+    the model's layouts (any mix of FSDP and TP placements) and dropped. Host memory peaks at the largest unit (the
+    embedding of a large vocabulary, or one block), not at the whole model. A pipeline stage fills the units it
+    holds.
     """
     model.to_empty(device=device)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # to_empty re-created the shared embedding once per module
-    reference = build_reference()
-    set_model_state_dict(model, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
-    buffers = {plain_name(name): buf for name, buf in reference.named_buffers()}
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            buf.copy_(buffers[plain_name(name)].to(buf.device))
+    model.tie_weights()  # to_empty re-created the shared embedding once per module
+    model.init_buffers()
+    held = {name for name, _ in model.init_parts()}
+    for name, unit in plain.init_parts():
+        if name not in held:
+            continue  # another pipeline stage's
+        part = copy.deepcopy(unit).to_empty(device="cpu")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(unit_seed(seed, name))
+            plain.init_part(name, part)
+        state = {f"{name}.{key}": value for key, value in part.state_dict().items()}
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        del part, state

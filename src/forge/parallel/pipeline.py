@@ -18,13 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from forge.model.transformer import Transformer
 from forge.parallel.degrees import Degrees
-from forge.parallel.init import plain_name
+from forge.parallel.init import materialize_sharded
 
 log = logging.getLogger("forge")
 
@@ -122,10 +121,10 @@ def build_pipeline(
     device: torch.device,
     loss_fn: Callable,
     parallelize: Callable,
-    build_reference: Callable[[], nn.Module],
+    seed: int,
 ) -> Pipeline:
     """Split `model` (meta device) into this rank's stages, apply `parallelize` to each, materialise them with the
-    weights of `build_reference()` (the whole model as one process initialises it), and build the schedule."""
+    weights one process would give the whole model from `seed`, and build the schedule."""
     if degrees.tp > 1:
         raise NotImplementedError("parallel.pp > 1 with parallel.tp > 1 is not supported yet")
     pp_mesh = mesh["pp"]
@@ -137,7 +136,7 @@ def build_pipeline(
     for s, part in zip(stage_ids, parts):
         log.info("pipeline stage %d/%d on pp rank %d: blocks %s", s, n_stages, pp_rank, ",".join(part.layers.keys()))
         parallelize(part)
-    materialize_stages(parts, build_reference, device)
+    materialize_stages(parts, model, seed, device)
     group = pp_mesh.get_group()
     stages = [PipelineStage(p, s, n_stages, device, group=group) for s, p in zip(stage_ids, parts)]
     microbatches = parallel_cfg.microbatches or pp
@@ -149,20 +148,8 @@ def build_pipeline(
     return Pipeline(parts, schedule, group, 0 in stage_ids, n_stages - 1 in stage_ids, pp, microbatches)
 
 
-def materialize_stages(parts: list[nn.Module], build_reference: Callable[[], nn.Module], device) -> None:
-    """Allocate each stage and copy in its part of the reference model (plain or DTensor parameters alike).
-
-    Costs one full copy of the model in host memory while it runs, as forge.parallel.init does for sharded models.
-    """
-    reference = build_reference()
-    full = reference.state_dict()
-    buffers = {plain_name(name): buf for name, buf in reference.named_buffers()}
+def materialize_stages(parts: list[nn.Module], plain: Transformer, seed: int, device) -> None:
+    """Allocate each stage and fill it unit by unit with the weights one process gives the whole model from
+    `seed` (plain or DTensor parameters alike; see forge.parallel.init.materialize_sharded)."""
     for part in parts:
-        part.to_empty(device=device)
-        names = {plain_name(name) for name in part.state_dict()}
-        set_model_state_dict(
-            part, {k: v for k, v in full.items() if k in names}, options=StateDictOptions(full_state_dict=True)
-        )
-        with torch.no_grad():
-            for name, buf in part.named_buffers():
-                buf.copy_(buffers[plain_name(name)].to(buf.device))
+        materialize_sharded(part, plain, seed, device)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from forge.model.moe import moe_layers
@@ -35,8 +35,16 @@ SAVE_OPS = {
 }
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh | None, degrees: Degrees, parallel_cfg, device: torch.device):
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    degrees: Degrees,
+    parallel_cfg,
+    device: torch.device,
+    compute_dtype: str = "fp32",
+):
     """Apply the plan of `parallel_cfg` to `model` (on the meta device) in place; mesh is None for one process.
+    `compute_dtype` (bf16 or fp32, the resolved train.dtype) is what FSDP gathers parameters in by default.
 
     With parallel.pp > 1, `model` is one pipeline stage: forge.parallel.pipeline.build_pipeline splits the whole
     model first and calls this on each stage.
@@ -54,7 +62,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, degrees: Degrees, par
         apply_compile(model)
     shard_mesh = fsdp_mesh(mesh)
     if shard_mesh is not None:
-        apply_fsdp(model, shard_mesh, expert_fsdp_mesh(mesh) if degrees.ep > 1 else None)
+        policy = mixed_precision_policy(parallel_cfg, compute_dtype)
+        apply_fsdp(model, shard_mesh, expert_fsdp_mesh(mesh) if degrees.ep > 1 else None, policy)
     return model
 
 
@@ -158,19 +167,37 @@ def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     return None
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> None:
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def mixed_precision_policy(parallel_cfg, compute_dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy: parameters gathered in parallel.param_dtype (default: the compute dtype), gradients reduced
+    in parallel.reduce_dtype. Under bf16 this halves the all-gather bytes and the unsharded parameter memory of an
+    fp32 gather; the sharded fp32 parameters stay the optimizer's master weights."""
+    param = parallel_cfg.get("param_dtype") or compute_dtype
+    reduce = parallel_cfg.get("reduce_dtype") or "fp32"
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    expert_mesh: DeviceMesh | None = None,
+    policy: MixedPrecisionPolicy | None = None,
+) -> None:
     """FSDP2 per block, then the root (embedding, norm, head). On a 2-D mesh the first dimension replicates
     (HSDP); with a shard dimension of size 1 this is plain data parallelism with all-reduced gradients.
 
     With expert parallelism each MoE layer's experts are wrapped first, on `expert_mesh` (the data-parallel ranks
     that hold the same experts), so the block's own FSDP group leaves them out.
     """
+    policy = policy or MixedPrecisionPolicy()
     for block in model.layers.values():
         if expert_mesh is not None:
             for _, layer in moe_layers(block):
-                fully_shard_experts(layer.experts, expert_mesh, mesh.size())
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+                fully_shard_experts(layer.experts, expert_mesh, mesh.size(), policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     if expert_mesh is not None:
         shape = dict(zip(expert_mesh.mesh_dim_names, expert_mesh.shape))
         log.info("FSDP of the expert weights over mesh %s (x ep), gradients divided by %d dp ranks", shape, mesh.size())
@@ -179,13 +206,24 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, expert_mesh: DeviceMesh | Non
     else:
         kind = "HSDP" if mesh.size(1) > 1 else "DDP (FSDP2 on a replicate-only mesh)"
     shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
-    log.info("%s over mesh %s: %d blocks and the root", kind, shape, len(model.layers))
+    gathered = str(policy.param_dtype or torch.float32).removeprefix("torch.")
+    reduced = str(policy.reduce_dtype or policy.param_dtype or torch.float32).removeprefix("torch.")
+    log.info(
+        "%s over mesh %s: %d blocks and the root (gathers %s, reduces %s)",
+        kind,
+        shape,
+        len(model.layers),
+        gathered,
+        reduced,
+    )
 
 
-def fully_shard_experts(experts: nn.Module, mesh: DeviceMesh, dp_size: int) -> None:
+def fully_shard_experts(
+    experts: nn.Module, mesh: DeviceMesh, dp_size: int, policy: MixedPrecisionPolicy | None = None
+) -> None:
     """FSDP2 over the ranks sharing these experts. Every data-parallel rank's tokens reach them through the
     all-to-all, so the summed gradient is divided by all `dp_size` ranks, not by this smaller group's size."""
-    fully_shard(experts, mesh=mesh)
+    fully_shard(experts, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
     experts.set_gradient_divide_factor(float(dp_size))
     if mesh.size(mesh.ndim - 1) > 1:
         # Plain sums, then a division: gloo has no pre-multiplied sum. (Not on a shard group of one rank: there

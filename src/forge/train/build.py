@@ -35,15 +35,13 @@ def build_meta_model(cfg: DictConfig) -> Transformer:
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate a meta-device model on `device` and initialise it reproducibly from `seed`."""
     model.to_empty(device=device)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.init_weights()
+    model.init_weights(seed=seed)
 
 
 def build_optimizer(cfg: DictConfig, model: nn.Module):
     """The optimizer and its schedule. A target whose first parameter is named `model` (Muon, which tells the
     head from hidden matrices by name) gets the model; any other gets param_groups(model)."""
-    make = instantiate(cfg.optimizer)
+    make = instantiate(cfg.optimizer, _convert_="all")  # plain lists: the state is saved and read weights_only
     takes_model = next(iter(inspect.signature(make.func).parameters)) == "model"
     optimizer = make(model if takes_model else param_groups(model))
     scheduler = instantiate(cfg.scheduler)(optimizer)
@@ -108,10 +106,9 @@ def config_yaml(cfg: DictConfig) -> str:
 
 def materialize_parallel(cfg: DictConfig, model: nn.Module, device: torch.device, seed: int) -> None:
     """`materialize` for a model the parallel plan has sharded: the same initial weights as one process."""
-    from forge.model.transformer import build_transformer
-    from forge.parallel.init import has_dtensor_parameters, materialize_from_reference
+    from forge.parallel.init import has_dtensor_parameters, materialize_sharded
 
     if not has_dtensor_parameters(model):
         materialize(model, device, seed)
         return
-    materialize_from_reference(model, lambda: build_transformer(model_args(cfg), "cpu", seed), device)
+    materialize_sharded(model, build_meta_model(cfg), seed, device)

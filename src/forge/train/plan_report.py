@@ -161,7 +161,8 @@ def plan_report(cfg: DictConfig) -> str:
                     f"pipeline split into {n_stages} stages; rank 0 holds stages {list(range(0, n_stages, degrees.pp))}"
                 )
             for part in parts:
-                parallelize(part, mesh, degrees, parallel, torch.device("cpu"))
+                compute = "bf16" if train.dtype in ("auto", "bf16") else "fp32"  # auto is bf16 on GPUs
+                parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute)
             local = sum(count_local_parameters(p) for p in parts)
             local_experts = sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p))
             rank_blocks = sum(len(p.layers) for p in parts)

@@ -15,7 +15,6 @@ from forge.data.loader import batch_to_device, eval_batches
 from forge.metrics.logger import format_duration
 from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter
 from forge.model.moe import moe_metrics, router_losses, update_router_biases
-from forge.model.transformer import build_transformer
 from forge.parallel import dist
 from forge.parallel.expert import sum_over_ranks
 from forge.parallel.grads import clip_grad_norm, set_gradient_sync
@@ -116,6 +115,8 @@ class Trainer:
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * self.dp_size)
         self.tokens_per_step = train.global_batch_size * train.seq_len
         self.eval_micro_batches = train.eval_batches * self.grad_accum  # per rank: eval_batches global batches
+        defer = cfg.parallel.get("defer_grad_sync")
+        self.defer_grad_sync = self.degrees.dp_shard == 1 if defer is None else defer  # sharded: reduce each time
         self.state = self.restore()
         self.guard = StepGuard(cfg.resilience)
         self.preempted = False
@@ -148,7 +149,7 @@ class Trainer:
             self.pipeline = self.build_pipeline()
             self.model = self.pipeline.model
         else:
-            parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device)
+            parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device, self.dtype)
             build.materialize_parallel(cfg, self.model, self.device, cfg.train.seed)
         self.val_windows = build.split_windows(self.corpus.val_tokens, cfg, "validation")
 
@@ -162,8 +163,8 @@ class Trainer:
             cfg.parallel,
             self.device,
             loss_fn=cross_entropy,
-            parallelize=lambda part: parallelize(part, self.mesh, self.degrees, cfg.parallel, self.device),
-            build_reference=lambda: build_transformer(build.model_args(cfg), "cpu", cfg.train.seed),
+            parallelize=lambda part: parallelize(part, self.mesh, self.degrees, cfg.parallel, self.device, self.dtype),
+            seed=cfg.train.seed,
         )
 
     def restore(self) -> RunState:
@@ -199,7 +200,8 @@ class Trainer:
             weights = self.token_weights(batches)
             loss_sum = torch.zeros((), device=self.device)
             for micro, batch in enumerate(batches):
-                set_gradient_sync(self.model, micro == self.grad_accum - 1)
+                if self.defer_grad_sync:
+                    set_gradient_sync(self.model, micro == self.grad_accum - 1)
                 loss = self.guard.inject(self.state.step + 1, self.batch_loss(batch))
                 (loss * weights[micro] + router_losses(self.model) / self.grad_accum).backward()
                 loss_sum += loss.detach() * weights[micro]
@@ -234,7 +236,8 @@ class Trainer:
         mean (document masking is refused with pp by validation)."""
         loss_sum = torch.zeros((), device=self.device)
         for micro, batch in enumerate(batches):
-            set_gradient_sync(self.model, micro == self.grad_accum - 1)
+            if self.defer_grad_sync:
+                set_gradient_sync(self.model, micro == self.grad_accum - 1)
             inputs, labels, _ = batch_to_device(batch, self.device)
             with autocast(self.device, self.dtype):
                 loss_sum += self.pipeline.step(inputs, labels)  # schedules average over their microbatches

@@ -1,0 +1,96 @@
+"""FSDP2 mixed precision and gradient accumulation on real gloo ranks.
+
+Under train.dtype=bf16 the all-gathered parameters are bf16 and gradients are reduced in fp32 (the sharded
+parameters stay fp32 master weights); with accumulation the gradients held between micro-batches are the rank's
+shard, not an unsharded copy of the model (unless parallel.defer_grad_sync=true asks for that).
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from forge.config import compose
+from forge.train.trainer import Trainer
+from tests.parallel.harness import launch
+from tests.parallel.scenarios import TINY, curves
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+BF16_REL = 2**-6
+"""bf16 keeps 8 significant bits (unit roundoff 2**-8); a sharded run rounds its gathered weights and activations
+where one process under autocast rounds only the matmul operands, so 4 steps of losses differ by a few roundoffs."""
+
+
+def fsdp_groups(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+class Probe(Trainer):
+    """Records, before each micro-batch's forward, the gradient bytes held (sharded grads + FSDP's unsharded
+    accumulators) and, during the forward, the dtype of an all-gathered weight."""
+
+    def build_model_and_data(self) -> None:
+        super().build_model_and_data()
+        self.grad_bytes: list[int] = []
+        self.gathered: list[str] = []
+        wq = self.model.layers["0"].attention.wq
+        wq.register_forward_pre_hook(lambda module, args: self.gathered.append(str(module.weight.dtype)))
+
+    def batch_loss(self, batch):
+        held = 0
+        for group in fsdp_groups(self.model):
+            for param in group.fsdp_params:
+                grad = param.sharded_param.grad
+                held += 0 if grad is None else grad.to_local().numel() * grad.element_size()
+                for acc in (param.unsharded_accumulated_grad, getattr(param, "_unsharded_param", None)):
+                    acc = acc.grad if isinstance(acc, torch.nn.Parameter) else acc
+                    held += 0 if acc is None else acc.numel() * acc.element_size()
+        self.grad_bytes.append(held)
+        return super().batch_loss(batch)
+
+
+def run(scenarios: dict[str, list[str]], root: str) -> dict:
+    from forge.parallel.dist import is_main_process
+
+    out = {}
+    for name, overrides in scenarios.items():
+        trainer = Probe(compose([*TINY, *overrides]), Path(root) / name)
+        trainer.fit()
+        groups = fsdp_groups(trainer.model)
+        out[name] = curves(trainer.run_dir) | {
+            "gathered": trainer.gathered,
+            "param_dtype": sorted({str(g.mp_policy.param_dtype) for g in groups}),
+            "reduce_dtype": sorted({str(g.mp_policy.reduce_dtype) for g in groups}),
+            "master": sorted({str(p.sharded_param.dtype) for g in groups for p in g.fsdp_params}),
+            "shard_bytes": sum(p.sharded_param.to_local().numel() * 4 for g in groups for p in g.fsdp_params),
+            "model_bytes": trainer.n_params * 4,
+            "grad_bytes": max(trainer.grad_bytes[1:4]),  # before micro-batches 2..4 of the first step
+        }
+    return out if is_main_process() else {}
+
+
+def test_bf16_gathers_bf16_reduces_fp32_and_follows_one_process(tmp_path):
+    bf16 = ["train.dtype=bf16"]
+    one = launch(run, 1, {"one": ["parallel=single", *bf16]}, str(tmp_path / "one"))[0]["one"]
+    two = launch(run, 2, {"fsdp": ["parallel=fsdp", *bf16]}, str(tmp_path / "two"))[0]["fsdp"]
+    assert set(two["gathered"]) == {"torch.bfloat16"} and set(one["gathered"]) == {"torch.float32"}
+    assert two["param_dtype"] == ["torch.bfloat16"] and two["reduce_dtype"] == ["torch.float32"]
+    assert two["master"] == ["torch.float32"]
+    for key in ("loss", "val_loss"):
+        assert two[key] == pytest.approx(one[key], rel=BF16_REL), key
+
+
+def test_accumulation_keeps_gradients_sharded_unless_deferred(tmp_path):
+    accum = ["parallel=fsdp", "train.micro_batch_size=1"]  # 8 / (1 x 2 ranks) = 4 micro-batches per step
+    runs = launch(run, 2, {"each": accum, "deferred": [*accum, "parallel.defer_grad_sync=true"]}, str(tmp_path))[0]
+    reference = launch(run, 1, {"one": ["parallel=single"]}, str(tmp_path / "one"))[0]["one"]
+    each, deferred = runs["each"], runs["deferred"]
+    assert each["grad_bytes"] <= each["shard_bytes"]  # only the shard's gradients
+    assert each["shard_bytes"] < 0.6 * each["model_bytes"]
+    assert deferred["grad_bytes"] >= 0.99 * deferred["model_bytes"]  # unsharded: the whole model on each rank
+    for run_ in (each, deferred):
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert run_[key] == pytest.approx(reference[key], rel=1e-4), key
