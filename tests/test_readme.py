@@ -22,8 +22,8 @@ from tests.launch.conftest import slurm  # noqa: F401 - the local cluster, for t
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
-SHORT = "train.steps=2 train.eval_batches=1"
-"""Appended to each training command: two steps and one validation batch."""
+SHORT = "train.steps=1 train.eval_batches=1"
+"""Appended to each training command: one step and one validation batch."""
 
 PROGRAMS = {
     "forge-train", "forge-generate", "forge-eval", "forge-lm-eval", "forge-prepare-data", "forge-convert",

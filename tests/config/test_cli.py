@@ -98,3 +98,16 @@ def test_an_unknown_top_level_key_is_refused(tmp_path):
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip() and "warn" not in line.lower()]
     assert len(lines) == 1 and "unknown top-level config key(s) experiment" in lines[0], result.stderr
+
+
+def test_a_sweep_with_a_bad_point_runs_none_of_its_points(tmp_path):
+    """Every point is validated before the first runs (a bad first point used to stop the good ones after it)."""
+    result = subprocess.run(
+        forge_cmd("-m", "optimizer.lr=1e-3,-1", "train.steps=2", f"hydra.sweep.dir={tmp_path / 'sweep'}"),
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("forge-train: invalid sweep: sweep point optimizer.lr=-1 "), lines
+    assert "must be positive" in lines[0]
+    assert not list((tmp_path / "sweep").glob("*/metrics.jsonl"))  # not even the good first point ran

@@ -5,6 +5,9 @@ import pytest
 from forge.config import ConfigError, compose, validate
 
 CASES = [
+    (["+train.stpes=5"], 1, ["unknown config key(s) train.stpes"]),
+    (["model=moe_tiny", "+model.moe.expert_count=4"], 1, ["unknown config key(s) model.moe.expert_count"]),
+    (["+foo=bar"], 1, ["unknown top-level config key(s) foo"]),
     (["data=vqa_embedded"], 1, ["needs a vision-language model", "vlm=joint_decoder"]),
     (["vlm=mot"], 1, ["vlm is set but the data has no images"]),
     (["vlm=moma", "data=vqa_embedded", "parallel=tp2"], 2, ["parallel.tp=2 is not supported with a VLM"]),

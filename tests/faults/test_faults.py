@@ -38,6 +38,20 @@ def test_sigterm_checkpoints_exits_75_and_resumes_bitwise(tmp_path, reference):
     assert losses(tmp_path) == reference
 
 
+def test_ctrl_c_checkpoints_exits_130_in_one_line_and_resumes_bitwise(tmp_path, reference):
+    proc = start(tmp_path)
+    wait_for_step(proc, tmp_path, 5)
+    kill(proc, signal.SIGINT)
+    code, out = finish(proc)
+    assert code == 130, out
+    assert "interrupted (SIGINT)" in out and "Traceback" not in out and "KeyboardInterrupt" not in out
+    stopped_at = max(losses(tmp_path))
+    assert latest_checkpoint(tmp_path / "checkpoints").name == f"step-{stopped_at:08d}"
+    code, out = train(tmp_path)
+    assert code == 0, out
+    assert losses(tmp_path) == reference
+
+
 def test_random_sigkills_never_load_a_partial_checkpoint(tmp_path, reference):
     """SIGKILL at random moments (inside steps and inside checkpoint writes), resume, repeat; same curve.
 
@@ -162,8 +176,10 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, reference):
             "checkpoint.overwrite=true",  # the first run's checkpoints share this folder
             "train.steps=6",
         )
-        assert code == 0 and "training continues" in out, out
+        assert "training continues" in out, out
+        assert code == 1 and "the run ended without its last checkpoint" in out, out  # not a silent success
         assert latest_checkpoint(mount).name == "step-00000002"
+        assert sorted(p.name for p in mount.glob("step-*")) == ["step-00000002"]  # failed saves left no folder
         code, out = train(tmp_path / "resumed", f"checkpoint.dir={mount}", "checkpoint.interval=0")
         assert code == 0, out
         assert "resumed from" in out

@@ -24,14 +24,8 @@ def test_sweep_sends_one_job_per_point_each_in_its_own_subdir(slurm, tmp_path):
     assert len(task_logs) == 2, task_logs  # two SLURM (array) jobs, not two processes of one
 
 
-def test_two_task_job_trains_ddp_with_ranks_from_slurm(slurm, tmp_path):
-    """tasks_per_node=2: srun starts two tasks; forge.parallel.env reads SLURM_PROCID/NTASKS; gloo all-reduces."""
-    code, out = sweep(tmp_path, LOCAL_SLURM, "hydra.launcher.tasks_per_node=2", "parallel=ddp", *tiny("train.steps=3"))
-    assert code == 0, out
-    run_dir = tmp_path / "0"
-    assert sorted(losses(run_dir)) == [1, 2, 3]
-    assert "'dp_replicate': 2" in (run_dir / "forge.log").read_text()
-    assert len(list((tmp_path / ".submitit").glob("*/*_log.out"))) == 2  # one log per task
+# A 2-task job (srun starts two tasks; forge.parallel.env reads SLURM_PROCID/NTASKS; FSDP over both) trains the
+# one-process curve: tests/parallel/test_any_world.py; the sbatch templates with DDP: tests/launch/test_sbatch.py.
 
 
 def test_job_size_that_misfits_the_plan_is_rejected_before_submission(tmp_path):

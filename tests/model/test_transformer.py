@@ -108,8 +108,7 @@ def test_init_statistics():
 def test_meta_build_then_init_equals_direct_build():
     args = small_args(qk_norm=True, rope_scaling=RopeScalingArgs(original_max_seq_len=32))
     direct = Transformer(args)
-    torch.manual_seed(42)
-    direct.init_weights()
+    direct.init_weights(seed=42)
     meta = build_transformer(args, device="cpu", seed=42)
     for (name, a), (_, b) in zip(direct.state_dict().items(), meta.state_dict().items()):
         assert torch.equal(a, b), name

@@ -69,4 +69,5 @@ def test_two_task_slurm_job_follows_the_one_process_curve(slurm, one_process, tm
     assert code == 0, out
     run_dir = tmp_path / "0"
     assert "FSDP over mesh {'dp_shard': 2}" in (run_dir / "forge.log").read_text()
+    assert len(list((tmp_path / ".submitit").glob("*/*_log.out"))) == 2  # one SLURM task per rank
     assert_same_curve(run_dir, one_process)

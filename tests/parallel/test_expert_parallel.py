@@ -120,8 +120,7 @@ def meta_init_matches_slice(rank: int) -> bool:
         model = Transformer(args)
     apply_expert_parallel(model, dist.group.WORLD)
     model.to_empty(device="cpu")
-    torch.manual_seed(5)
-    model.init_weights()
+    model.init_weights(seed=5)
     full = build_transformer(args, seed=5)
     reference = dict(full.named_parameters())
     for name, param in model.named_parameters():

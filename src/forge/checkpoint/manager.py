@@ -101,6 +101,7 @@ class Checkpointer:
         self.config_yaml = config_yaml
         self._pending: tuple[Future, Path] | None = None
         self._unsealed: Path | None = None  # rank 0: an async save every rank may not have finished yet
+        self.last_save_error: str | None = None  # the message of the latest save, when it failed
         self._foreign: set[Path] = set()  # checkpoints of another run beside this one (checkpoint.overwrite)
         self.is_async = cfg.async_mode != "sync"
         self.async_group = async_save_group() if self.is_async else None
@@ -157,12 +158,17 @@ class Checkpointer:
         is logged and training goes on; either way the previous checkpoint stays the latest.
         """
         try:
-            return self._save(step, model, optimizer, scheduler, loader, run_state)
+            saved = self._save(step, model, optimizer, scheduler, loader, run_state)
+            self.last_save_error = None
+            return saved
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - every failure to write: one clear error
             path = step_dir(self.root, step)
+            if _rank() == 0 and path.exists() and not is_complete(path):
+                shutil.rmtree(path, ignore_errors=True)  # a partial folder would keep a full disk full
             free = shutil.disk_usage(self.root).free if self.root.exists() else 0
             reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
             message = f"cannot write checkpoint {path}: {reason} ({free / 1e6:.1f} MB free on that disk)"
+            self.last_save_error = message
             if self.cfg.on_save_error == "continue":
                 log.error("%s; training continues, the latest checkpoint is still %s", message, self.latest())
                 self._pending = None

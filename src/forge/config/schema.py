@@ -276,7 +276,7 @@ class CheckpointConfig:
 class ResilienceConfig:
     """Preemption, non-finite values, hangs."""
 
-    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2"])
+    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"])
     """Signals that make every rank stop after the same step, checkpoint and exit with code 75 (requeue)."""
     preemption_deadline_s: float = 300.0
     """After a preemption signal, exit anyway when the final checkpoint has not finished within this many seconds

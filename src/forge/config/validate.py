@@ -53,6 +53,23 @@ def validate_top_level(cfg: DictConfig) -> None:
     )
 
 
+def validate_known_keys(node: DictConfig, prefix: str) -> None:
+    """Keys a schema does not declare (`+train.stpes=5`: Hydra's `+` adds a key even to a typed group) are
+    refused, in every node whose type is a schema dataclass."""
+    import dataclasses
+
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    declared = {f.name for f in dataclasses.fields(schema)}
+    unknown = [key for key in node if key not in declared]
+    _require(not unknown, f"unknown config key(s) {', '.join(f'{prefix}{key}' for key in unknown)}")
+    for key in declared:
+        child = node._get_node(key) if key in node else None
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            validate_known_keys(child, f"{prefix}{key}.")
+
+
 def validate_model(model: DictConfig) -> None:
     dim, heads, kv = model.dim, model.n_heads, model.n_kv_heads or model.n_heads
     for key in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
@@ -119,6 +136,11 @@ def fill_micro_batch(train: DictConfig, dp: int) -> None:
         _require(cap > 0, f"train.max_micro_batch_size={cap} must be positive")
         per_rank = max(d for d in range(1, min(cap, per_rank) + 1) if (batch // dp) % d == 0)
     train.micro_batch_size = per_rank
+
+
+def override_keys(overrides: list[str]) -> frozenset[str]:
+    """The config keys a list of Hydra overrides sets (`key=v`, `+key=v`, `++key=v`, `~key`)."""
+    return frozenset(o.split("=", 1)[0].lstrip("+~") for o in overrides)
 
 
 def fit_warmup_to_run(cfg: DictConfig, explicit_keys: frozenset[str]) -> str | None:
@@ -403,6 +425,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     if world_size is None:
         world_size = cfg.parallel.world_size or read_dist_env().world_size
     validate_top_level(cfg)
+    for group in cfg:
+        if isinstance(cfg._get_node(group), DictConfig) and cfg[group] is not None:
+            validate_known_keys(cfg[group], f"{group}.")
     fill_vocab_from_data_meta(cfg.data)
     validate_required(cfg)
     validate_model(cfg.model)

@@ -35,6 +35,11 @@ def init_distributed(device: torch.device, env: DistEnv | None = None, timeout_s
     # SLURM sets no MASTER_* variables; env:// rendezvous needs them.
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    if backend_for(device) == "nccl":
+        # 2 = abort the communicators and raise in Python (the default, 1, kills the process from NCCL's watchdog
+        # thread), so a failed collective reaches forge.resilience.liveness: a line naming the rank, exit 77.
+        # Not yet run on a multi-GPU machine.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     dist.init_process_group(
         backend_for(device),
         init_method="env://",

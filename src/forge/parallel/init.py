@@ -28,10 +28,10 @@ def materialize_sharded(model: nn.Module, plain: nn.Module, seed: int, device) -
     process would give it from `seed`, one initialisation unit at a time.
 
     `plain` is the same model unparallelized on the meta device (it costs nothing); each of its units (embedding,
-    one block, norm, head: `init_parts`) in turn is copied to the CPU, initialised from its own seed, split into
-    the model's layouts (any mix of FSDP and TP placements) and dropped. Host memory peaks at the largest unit (the
-    embedding of a large vocabulary, or one block), not at the whole model. A pipeline stage fills the units it
-    holds.
+    one block, norm, head: `init_parts`) in turn is made whole on `device`, initialised from its own seed, split
+    into the model's layouts (any mix of FSDP and TP placements) and dropped. Memory peaks at the largest unit (the
+    embedding of a large vocabulary, or one block) on top of the shards, not at the whole model; the values equal
+    one process's on the same device type. A pipeline stage fills the units it holds.
     """
     model.to_empty(device=device)
     model.tie_weights()  # to_empty re-created the shared embedding once per module
@@ -40,7 +40,7 @@ def materialize_sharded(model: nn.Module, plain: nn.Module, seed: int, device) -
     for name, unit in plain.init_parts():
         if name not in held:
             continue  # another pipeline stage's
-        part = copy.deepcopy(unit).to_empty(device="cpu")
+        part = copy.deepcopy(unit).to_empty(device=device)  # on a GPU: fast, and one unit of device memory
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(unit_seed(seed, name))
             plain.init_part(name, part)

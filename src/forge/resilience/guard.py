@@ -26,9 +26,11 @@ class RollbackRequested(Exception):
 
 
 class StepGuard:
-    def __init__(self, cfg):
+    def __init__(self, cfg, preemption: PreemptionHandler | None = None):
+        """`preemption`: a handler installed earlier (the trainer installs it first, so a signal during a long
+        start-up still ends in a checkpoint and a requeue)."""
         self.cfg = cfg
-        self.preemption = PreemptionHandler(list(cfg.preemption_signals), cfg.preemption_deadline_s)
+        self.preemption = preemption or PreemptionHandler(list(cfg.preemption_signals), cfg.preemption_deadline_s)
         self.nonfinite = NonFinitePolicy(cfg.nonfinite_policy, cfg.max_rollbacks)
         self.progress = ProgressBoard()
         self.watchdog = None

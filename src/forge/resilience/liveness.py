@@ -22,7 +22,15 @@ log = logging.getLogger("forge")
 EXIT_PEER_LOST = 77
 
 # Messages of gloo's transport when a peer is dead or silent (NCCL raises DistBackendError, a DistError).
-_NETWORK_ERRORS = ("gloo/transport", "Timed out waiting", "Connection closed by peer", "Connection reset by peer")
+_NETWORK_ERRORS = (
+    "gloo/transport",
+    "Timed out waiting",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "NCCL communicator was aborted",  # under TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (forge.parallel.dist)
+    "Watchdog caught collective operation timeout",
+    "ncclRemoteError",
+)
 
 
 class PeerLostError(RuntimeError):

@@ -1,8 +1,9 @@
-"""Stop cleanly when SLURM, submitit or a user sends SIGTERM / SIGUSR1 / SIGUSR2.
+"""Stop cleanly when SLURM, submitit or a user sends SIGTERM / SIGUSR1 / SIGUSR2, or presses Ctrl-C (SIGINT).
 
 The handler only sets a flag. At the end of each step every rank learns whether any rank was signalled (a MAX
 all-reduce), so all stop after the same step, checkpoint, and exit with EXIT_PREEMPTED, which a launcher can
-requeue on. A hard deadline ends the process anyway if the final save hangs.
+requeue on (Ctrl-C: EXIT_INTERRUPTED, no requeue; a second Ctrl-C stops at once). A hard deadline ends the process
+anyway if the final save hangs.
 """
 
 import logging
@@ -17,6 +18,7 @@ from forge.resilience.hard_exit import hard_exit
 log = logging.getLogger("forge")
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" — requeue me
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C: the user stopped it, do not requeue
 
 
 class PreemptionHandler:
@@ -29,6 +31,8 @@ class PreemptionHandler:
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.received is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
         if self.received is None:
             self.received = signal.Signals(signum).name
             timer = threading.Timer(self.deadline_s, self._hard_exit)

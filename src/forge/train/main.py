@@ -31,17 +31,12 @@ def run(cfg: DictConfig) -> dict:
     return trainer(cfg, run_dir).fit()
 
 
-def command_line_keys() -> frozenset[str]:
-    """The config keys this job's command line sets (`key=v`, `+key=v`, `++key=v`)."""
-    return frozenset(o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task)
-
-
 def fit_defaults_to_run(cfg: DictConfig) -> None:
     """Defaults that cannot hold for this run are fitted to it, with one warning line (rank 0)."""
-    from forge.config.validate import fit_warmup_to_run
+    from forge.config.validate import fit_warmup_to_run, override_keys
     from forge.parallel.env import read_dist_env
 
-    note = fit_warmup_to_run(cfg, command_line_keys())
+    note = fit_warmup_to_run(cfg, override_keys(list(HydraConfig.get().overrides.task)))
     if note and read_dist_env().rank == 0:
         log.warning("%s", note)
 
@@ -71,6 +66,10 @@ def _task(cfg: DictConfig) -> None:
     if summary.get("preempted"):
         from forge.launch import requeue_via_submitit
         from forge.resilience import EXIT_PREEMPTED
+        from forge.resilience.preemption import EXIT_INTERRUPTED
+
+        if summary.get("signal") == "SIGINT":
+            sys.exit(EXIT_INTERRUPTED)  # the user stopped it: checkpointed, not requeued
 
         requeue_via_submitit()  # under submitit: requeue the job (rank 0 does not return)
         sys.exit(EXIT_PREEMPTED)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from forge.checkpoint import Checkpointer, RunState
+from forge.checkpoint import Checkpointer, CheckpointError, RunState
 from forge.config import validate
 from forge.data.loader import batch_to_device, eval_batches
 from forge.metrics.logger import format_duration
@@ -25,6 +25,7 @@ from forge.resilience import EXIT_PREEMPTED
 from forge.resilience.guard import RollbackRequested, StepGuard
 from forge.resilience.hard_exit import on_hard_exit
 from forge.resilience.health import check_device
+from forge.resilience.preemption import EXIT_INTERRUPTED, PreemptionHandler
 from forge.train import build
 from forge.train.precision import autocast, resolve_dtype
 
@@ -88,6 +89,9 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.degrees = validate(cfg)
+        # first: a preemption signal during a long start-up must still end in a checkpoint, not in death by signal
+        res = cfg.resilience
+        self.preemption = PreemptionHandler(list(res.preemption_signals), res.preemption_deadline_s)
         train = cfg.train
         if train.threads > 0:
             torch.set_num_threads(train.threads)
@@ -118,7 +122,7 @@ class Trainer:
         defer = cfg.parallel.get("defer_grad_sync")
         self.defer_grad_sync = self.degrees.dp_shard == 1 if defer is None else defer  # sharded: reduce each time
         self.state = self.restore()
-        self.guard = StepGuard(cfg.resilience)
+        self.guard = StepGuard(cfg.resilience, self.preemption)
         self.preempted = False
         self.metrics = (
             build_metrics_logger(cfg, self.run_dir, self.state.tracker_ids) if dist.is_main_process() else NullMetrics()
@@ -368,15 +372,22 @@ class Trainer:
                 with self.meter.paused():
                     self.save_checkpoint()
             if preempted:
+                received = self.guard.preemption.received
                 log.warning(
-                    "preempted (%s): checkpoint at step %d written; exiting with code %d",
-                    self.guard.preemption.received or "a peer's signal",
+                    "%s (%s): checkpoint at step %d written; exiting with code %d",
+                    "interrupted" if received == "SIGINT" else "preempted",
+                    received or "a peer's signal",
                     step,
-                    EXIT_PREEMPTED,
+                    EXIT_INTERRUPTED if received == "SIGINT" else EXIT_PREEMPTED,
                 )
                 self.preempted = True
                 break
         self.checkpointer.wait()
+        if self.checkpointer.last_save_error:  # on_save_error=continue kept training; the run must not look whole
+            raise CheckpointError(
+                f"the run ended without its last checkpoint: {self.checkpointer.last_save_error}; the latest "
+                f"checkpoint is {self.checkpointer.latest()}"
+            )
         set_optimizer_mode(self.optimizer, "eval")  # leave the model at the weights that were evaluated and saved
         wall = time.perf_counter() - start
         self.metrics.close()
@@ -391,6 +402,7 @@ class Trainer:
             "params": self.n_params,
             "run_dir": str(self.run_dir),
             "preempted": self.preempted,
+            "signal": self.guard.preemption.received,
         }
         log.info(
             "done: %d steps, %s tokens in %s (%s tok/s) | train loss %.4f | val loss %.4f -> %.4f | run dir %s",

@@ -1,0 +1,57 @@
+"""Validate every point of a sweep before the first one runs.
+
+Hydra composes and runs the points of `forge-train -m` one after the other, so a bad point (say
+`optimizer.lr=-1,1e-3`) used to fail only when its turn came, and stopped every point after it. This callback
+expands the sweep as Hydra's basic sweeper will, composes each point and runs forge's validation on it.
+"""
+
+import sys
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from forge.config.errors import ConfigError
+
+EXIT_CONFIG_ERROR = 2
+
+
+def sweep_points(task_overrides: list[str]) -> list[list[str]]:
+    """The override lists of every job of a sweep, in the order the basic sweeper runs them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(task_overrides)
+    return [point for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for point in batch]
+
+
+def check_sweep(config: DictConfig) -> None:
+    """Raise ConfigError naming the first invalid point and why."""
+    from hydra import compose
+
+    from forge.config.validate import fit_warmup_to_run, override_keys, validate
+    from forge.launch.shape import launch_world_size
+    from forge.parallel.env import read_dist_env
+
+    world = launch_world_size(config) or read_dist_env().world_size
+    for point in sweep_points(list(config.hydra.overrides.task)):
+        try:
+            cfg = compose(config_name="train", overrides=point)
+            fit_warmup_to_run(cfg, override_keys(point))
+            validate(cfg, world_size=cfg.parallel.world_size or world)
+        except ConfigError as err:
+            raise ConfigError(f"sweep point {' '.join(point)}: {err}") from None
+        except Exception as err:  # noqa: BLE001 - a point Hydra cannot compose: one line as well
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"sweep point {' '.join(point)}: {reason}") from None
+
+
+class SweepCheck(Callback):
+    """Hydra callback: every point validated once, before any job starts or is submitted (exit code 2)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_sweep(config)
+        except ConfigError as err:
+            print(f"forge-train: invalid sweep: {err}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG_ERROR)
