@@ -52,11 +52,12 @@ def test_plan_refuses_with_one_line(name, tmp_path):
 
 
 @pytest.mark.dist
-def test_torchrun_refuses_on_every_rank_before_a_process_group(tmp_path):
+def test_torchrun_refuses_before_a_process_group(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "forge.train",
            *CASES["pp+tie_embeddings"][0], f"hydra.run.dir={tmp_path}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     refusals = [line for line in proc.stderr.splitlines() if "invalid config" in line]
-    assert len(refusals) == 2 and "model.tie_embeddings=true" in refusals[0], proc.stderr[-3000:]
+    # the first rank to refuse ends the job; torchrun may stop the other before it prints its own refusal
+    assert 1 <= len(refusals) <= 2 and "model.tie_embeddings=true" in refusals[0], proc.stderr[-3000:]
     assert "forge/" not in proc.stderr.replace("-m forge.train", "")  # no frame of ours (torchrun reports its own)
