@@ -25,21 +25,9 @@ from forge.checkpoint.run_config import load_run_config
 from forge.checkpoint.untrusted import load_dcp, read_metadata
 from forge.config import compose
 from forge.train.trainer import Trainer
-from tests.tiny import TINY_MODEL
+from tests.checkpoint.test_convert import TINY as CONVERT_TINY
 
-TINY = [
-    *TINY_MODEL,
-    "train.seq_len=32",
-    "train.global_batch_size=4",
-    "train.micro_batch_size=4",
-    "train.dtype=fp32",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "scheduler.warmup_steps=1",
-    "train.steps=2",
-    "checkpoint.interval=2",
-]
+TINY = [*CONVERT_TINY, "train.steps=2", "checkpoint.interval=2"]
 STEP = "step-00000002"
 
 
