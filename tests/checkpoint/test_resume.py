@@ -1,5 +1,6 @@
 """Save, seal, retain and resume in one process: a resumed run reproduces the uninterrupted one bit for bit."""
 
+import json
 import math
 import shutil
 
@@ -70,27 +71,32 @@ def test_incomplete_checkpoint_is_never_loaded(tmp_path):
 
 
 def test_mismatching_checkpoint_names_the_key(tmp_path):
-    Trainer(compose([*TINY, "checkpoint.interval=12"]), tmp_path / "a")
+    """Past the config check (or for a checkpoint without config.yaml), DCP's keys and shapes name the mismatch."""
     Trainer(compose([*TINY, "checkpoint.interval=12"]), tmp_path / "a").fit()
-    wider = [*TINY, "model.ffn_dim=96", f"checkpoint.resume={tmp_path / 'a'}"]
+    with pytest.raises(CheckpointError, match=r"model.ffn_dim=96 \(was 128\)"):
+        Trainer(compose([*TINY, "model.ffn_dim=96", f"checkpoint.resume={tmp_path / 'a'}"]), tmp_path / "b")
+    unchecked = [*TINY, "checkpoint.check_resume_config=false"]
+    wider = [*unchecked, "model.ffn_dim=96", f"checkpoint.resume={tmp_path / 'a'}"]
     with pytest.raises(CheckpointError, match=r"layers.0.feed_forward.w1.weight' has shape \(128, 64\)"):
         Trainer(compose(wider), tmp_path / "b")
-    deeper = [*TINY, "model.n_layers=3", f"checkpoint.resume={tmp_path / 'a'}"]
+    deeper = [*unchecked, "model.n_layers=3", f"checkpoint.resume={tmp_path / 'a'}"]
     with pytest.raises(CheckpointError, match="lacks model key 'layers.2"):
         Trainer(compose(deeper), tmp_path / "c")
-    shallower = [*TINY, "model.n_layers=1", f"checkpoint.resume={tmp_path / 'a'}"]
+    shallower = [*unchecked, "model.n_layers=1", f"checkpoint.resume={tmp_path / 'a'}"]
     with pytest.raises(CheckpointError, match="has model key 'layers.1"):
         Trainer(compose(shallower), tmp_path / "d")
 
 
-def test_resume_refuses_another_batch_seq_len_seed_or_optimizer_naming_each_key(tmp_path):
+def test_resume_refuses_another_model_data_batch_seq_len_seed_or_optimizer_naming_each_key(tmp_path):
     Trainer(compose([*TINY, "checkpoint.interval=4", "train.steps=4"]), tmp_path / "a").fit()
     saved = tmp_path / "a/checkpoints/step-00000004"
     changes = {
-        "train.global_batch_size=8": r"train.global_batch_size=8 \(the checkpoint has 4\)",
-        "train.seq_len=16": r"train.seq_len=16 \(the checkpoint has 32\)",
-        "train.seed=7": r"train.seed=7 \(the checkpoint has 1234\)",
+        "train.global_batch_size=8": r"train.global_batch_size=8 \(was 4\)",
+        "train.seq_len=16": r"train.seq_len=16 \(was 32\)",
+        "train.seed=7": r"train.seed=7 \(was 1234\)",
         "optimizer=lion": r"optimizer._target_=forge.train.optimizers.lion.Lion",
+        "model.rope_theta=5000": r"model.rope_theta=5000.0 \(was 10000.0\)",  # same shapes: DCP would load it
+        "data.val_every=10": r"data.val_every=10 \(was 20\)",  # another train/val split of the same text
     }
     for override, message in changes.items():
         with pytest.raises(CheckpointError, match=message) as err:
@@ -176,3 +182,40 @@ def test_a_fresh_run_never_deletes_another_runs_checkpoints(tmp_path):
     kept = [p.name for p in complete_checkpoints(tmp_path / "checkpoints")]
     assert kept == ["step-00000002", "step-00000003", "step-00000004"]  # keep_last_n=1 pruned none of the old run's
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000003"  # the new run's, where `latest` points
+
+
+def lrs(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in records if "lr" in r}
+
+
+def test_resume_applies_a_new_lr_weight_decay_and_schedule_length(tmp_path):
+    """The optimizer state and the scheduler's state bring the old run's lr and weight decay back; a resume must use
+    the new ones, and the schedule of the new length from the resumed step on."""
+    Trainer(compose([*TINY, "checkpoint.interval=4", "train.steps=4"]), tmp_path).fit()
+    new = [*TINY, "checkpoint.interval=4", "train.steps=10", "optimizer.lr=1e-3", "optimizer.weight_decay=0.05"]
+    resumed = Trainer(compose(new), tmp_path)
+    assert resumed.state.step == 4
+    decay, no_decay = resumed.optimizer.param_groups
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.05, 0.0)
+    resumed.fit()
+    # warmup_cosine computed here on its own: 3 warmup steps, then cosine from 1e-3 to 1e-4 at step 10
+    for step, lr in lrs(tmp_path).items():
+        if step <= 4:
+            continue
+        progress = (step - 1 - 3) / (10 - 3)
+        expected = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        assert lr == pytest.approx(expected, rel=1e-12), step
+
+
+def test_a_new_lr_keeps_schedule_free_s_step_count_and_weight_sum(tmp_path):
+    """Schedule-free keeps training state in its param groups (k, weight_sum, lr_max): a new lr must not reset it."""
+    run = [*TINY, "optimizer=schedule_free_adamw", "scheduler=constant", "checkpoint.interval=4", "train.steps=4"]
+    first = Trainer(compose(run), tmp_path)
+    first.fit()
+    saved = dict(first.optimizer.param_groups[0])
+    resumed = Trainer(compose([*run, "train.steps=6", "optimizer.lr=1e-3"]), tmp_path)
+    group = resumed.optimizer.param_groups[0]
+    assert group["k"] == saved["k"] == 4
+    assert (group["weight_sum"], group["lr_max"]) == (saved["weight_sum"], saved["lr_max"])
+    assert group["initial_lr"] == 1e-3 and group["lr"] == pytest.approx(1e-3, rel=1e-12)

@@ -15,9 +15,10 @@ test_reshard.py): FSDP over 4 ranks into HSDP 2 x 2, TP 2 x FSDP 2, one process 
 same test before it was trimmed, and a 1F1B pp 2 checkpoint resumed in one process was checked by hand. An ep=2
 checkpoint resumes at ep=4 (tests/parallel/test_expert_plan.py).
 Must not change: the model config, train.global_batch_size, train.seq_len, train.seed, the data, and the optimizer
-and scheduler kinds (DCP refuses mismatched keys or shapes; forge.checkpoint.resume_check refuses the others but the
-model and the data, naming each changed key). RNG states are per
-rank and are restored only at the same world size (nothing in training draws from them today: no dropout).
+and scheduler kinds; changed optimizer settings and schedule are applied (forge.checkpoint.resume_check names every
+changed key before the model is built; DCP refuses mismatched keys or shapes of a checkpoint without a config).
+RNG states are per rank and are restored only at the same world size (nothing in training draws from them today:
+no dropout).
 """
 
 import logging
@@ -51,7 +52,8 @@ from forge.checkpoint.layout import (
     step_dir,
     step_of,
 )
-from forge.checkpoint.resume_check import check_resume_config
+from forge.checkpoint.optimizer_settings import apply_group_settings, group_settings
+from forge.checkpoint.resume_check import Change, check_resume_config
 from forge.checkpoint.rng import rng_state, set_rng_state
 from forge.checkpoint.stages import rename, whole_model_keys, whole_model_names
 from forge.checkpoint.untrusted import load_dcp
@@ -103,6 +105,7 @@ class Checkpointer:
         self._unsealed: Path | None = None  # rank 0: an async save every rank may not have finished yet
         self.last_save_error: str | None = None  # the message of the latest save, when it failed
         self._foreign: set[Path] = set()  # checkpoints of another run beside this one (checkpoint.overwrite)
+        self._reported: set[Path] = set()  # checkpoints whose changed settings were logged
         self.is_async = cfg.async_mode != "sync"
         self.async_group = async_save_group() if self.is_async else None
 
@@ -279,6 +282,22 @@ class Checkpointer:
 
     # ---- resuming -----------------------------------------------------------------------------------------------
 
+    def check_resume(self, path: Path | None = None) -> list[Change]:
+        """This run's config against the checkpoint it resumes (default: resume_path()): refused changes raise
+        (unless checkpoint.check_resume_config=false), the others are named in one line. Call before the model is
+        built, so a refused resume costs nothing."""
+        path = self.resume_path() if path is None else path
+        if path is None or not self.config_yaml or not is_complete(path):
+            return []
+        enforce = self.cfg.get("check_resume_config", True)
+        changes = check_resume_config(path, OmegaConf.create(self.config_yaml), enforce=enforce)
+        if changes and path not in self._reported:
+            self._reported.add(path)
+            shown = [f"{c} ({'not checked' if c.kind == 'refused' else c.kind})" for c in changes]
+            level = logging.INFO if all(c.kind == "free" for c in changes) else logging.WARNING
+            log.log(level, "resuming from %s with changed settings: %s", path, "; ".join(shown))
+        return changes
+
     def resume_path(self) -> Path | None:
         """The checkpoint to resume from: per checkpoint.resume (auto | none | PATH)."""
         resume = self.cfg.resume
@@ -296,8 +315,8 @@ class Checkpointer:
         """Restore model, optimizer, scheduler, loader and RNG from a complete checkpoint."""
         if not is_complete(path):
             raise CheckpointError(f"checkpoint {path} is incomplete")
-        if self.config_yaml and self.cfg.get("check_resume_config", True):
-            check_resume_config(path, OmegaConf.create(self.config_yaml))
+        changes = self.check_resume(path)
+        settings = group_settings(optimizer)  # as this run's config builds them, before the checkpoint's replace them
         model_sd, optim_sd = get_state_dict(model, optimizer)
         names = whole_model_names(model, model_sd)
         model_sd, optim_sd = rename(model_sd, optim_sd, names)
@@ -311,6 +330,8 @@ class Checkpointer:
         loader.load_state_dict(extra["loader"])
         if extra.get("world_size") == _world():
             set_rng_state(extra["rng"])
+        if any(c.kind == "applied" for c in changes):
+            apply_group_settings(optimizer, scheduler, settings, loader.lr_scale)
         log.info("resumed from %s at step %d", path, extra["step"])
         return RunState(step=extra["step"], tokens_seen=extra["tokens_seen"], tracker_ids=extra["tracker_ids"])
 

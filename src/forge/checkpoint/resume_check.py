@@ -1,48 +1,115 @@
-"""What a resume must keep: checked against the config saved in the checkpoint before anything is loaded.
+"""What a resume may change: every key of the new config is compared with the checkpoint's config.yaml before
+anything is built or loaded, and each changed key is named.
 
-The loader's position counts samples of one global order cut into global batches of seq_len tokens, drawn with
-the run's seed; the optimizer and scheduler states only mean something to the same kinds. Another value of any of
-these would resume without an error from DCP and silently train on other data or another schedule.
+- Refused (unless checkpoint.check_resume_config=false): what changes the model, the data or what the saved
+  state means. The loader's position counts samples of one global order cut into global batches of seq_len tokens,
+  drawn with the run's seed from this data; the optimizer and scheduler states only mean something to the same
+  kinds and the same parameter groups; DCP would load another model's weights whenever the shapes agree
+  (model.rope_theta).
+- Applied: optimizer hyperparameters (lr, betas, weight decay, ...) override the ones the optimizer state brings
+  back, and the schedule (scheduler.*, train.steps) is the new one from the resumed step on.
+- Free: everything else (parallel layout, micro-batch, precision, logging, evaluation, checkpointing, resilience).
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from forge.checkpoint.errors import CheckpointError
 
-FIXED_ON_RESUME = (
+REFUSED = (
+    "model.",
+    "vlm.",
+    "data.",
     "train.global_batch_size",
     "train.seq_len",
     "train.seed",
     "optimizer._target_",
+    "optimizer.adamw_params",
     "scheduler._target_",
 )
+"""Keys (or key prefixes ending in a dot) a resume must keep."""
+
+FREE_DATA = ("data.cache_dir", "data.verify_checksums")
+"""Keys under data. that do not change which samples are read."""
+
+APPLIED = ("optimizer.", "scheduler.", "train.steps")
+"""Keys a resume applies to the restored optimizer and schedule."""
 
 
-def check_resume_config(path: Path, current: DictConfig) -> None:
-    """Raise CheckpointError naming every key of FIXED_ON_RESUME whose value differs from the checkpoint's.
+@dataclass(frozen=True)
+class Change:
+    key: str
+    old: object
+    new: object
+    kind: str  # refused | applied | free
 
-    Checkpoints without a config.yaml (written by other tools) are not checked, nor is train.seq_len of a VLM (its
-    loader counts records, which a cut of the text at another length does not change).
-    """
+    def __str__(self) -> str:
+        return f"{self.key}={_show(self.new)} (was {_show(self.old)})"
+
+
+def _show(value: object) -> str:
+    return "absent" if value is _ABSENT else str(value)
+
+
+_ABSENT = object()
+
+
+def _matches(key: str, table: tuple[str, ...]) -> bool:
+    return any(key == entry or (entry.endswith(".") and key.startswith(entry)) for entry in table)
+
+
+def kind_of(key: str, is_vlm: bool) -> str:
+    if key in FREE_DATA or (key == "train.seq_len" and is_vlm):  # a VLM's loader counts records, not tokens
+        return "free"
+    if _matches(key, REFUSED):
+        return "refused"
+    return "applied" if _matches(key, APPLIED) else "free"
+
+
+def _flat(node, prefix: str = "") -> dict[str, object]:
+    """Dotted key -> value; lists are values (a changed list is one change)."""
+    if isinstance(node, dict):
+        out: dict[str, object] = {}
+        for key, value in node.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: node}
+
+
+def config_changes(saved: DictConfig, current: DictConfig) -> list[Change]:
+    """Every key whose value differs between the checkpoint's config and this run's, classified."""
+    old = _flat(OmegaConf.to_container(saved, resolve=True))
+    new = _flat(OmegaConf.to_container(current, resolve=True))
+    is_vlm = current.get("vlm") is not None
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if before != after:
+            changes.append(Change(key, before, after, kind_of(key, is_vlm)))
+    return changes
+
+
+def check_resume_config(path: Path, current: DictConfig, enforce: bool = True) -> list[Change]:
+    """The changes of this resume from the checkpoint at `path`; a CheckpointError naming every refused one when
+    `enforce`. Checkpoints without a config.yaml (written by other tools) are not checked."""
     file = path / "config.yaml"
     if not file.is_file():
-        return
+        return []
     try:
         saved = OmegaConf.load(file)
+        if not isinstance(saved, DictConfig):
+            raise ValueError("not a mapping")
     except Exception as err:  # noqa: BLE001 - any failure to parse is a corrupt checkpoint
         raise CheckpointError(f"cannot read {file}: {err}") from err
-    changed = []
-    fixed = [k for k in FIXED_ON_RESUME if not (k == "train.seq_len" and current.get("vlm") is not None)]
-    for key in fixed:
-        old, new = OmegaConf.select(saved, key), OmegaConf.select(current, key)
-        if old is not None and old != new:
-            changed.append(f"{key}={new} (the checkpoint has {old})")
-    if changed:
+    changes = config_changes(saved, current)
+    refused = [c for c in changes if c.kind == "refused"]
+    if refused and enforce:
         raise CheckpointError(
-            f"cannot resume from {path}: " + "; ".join(changed) + ". A resume must keep the global batch, sequence "
-            "length, seed, optimizer and scheduler of the run it continues. To start a new run from these weights: "
-            f"checkpoint.resume=none checkpoint.load_weights={path} and a new hydra.run.dir; to resume anyway: "
-            "checkpoint.check_resume_config=false"
+            f"cannot resume from {path}: " + "; ".join(map(str, refused)) + ". A resume keeps the model, the data, "
+            "the global batch, sequence length, seed and the optimizer and scheduler kinds of the run it continues. "
+            f"To start a new run from these weights: checkpoint.resume=none checkpoint.load_weights={path} and a new "
+            "hydra.run.dir; to resume anyway: checkpoint.check_resume_config=false"
         )
+    return changes

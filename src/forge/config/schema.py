@@ -257,11 +257,17 @@ class CheckpointConfig:
     resume: str = "auto"
     """auto (latest complete checkpoint of the run directory), none, or a checkpoint path."""
     check_resume_config: bool = True
-    """Refuse a resume that changes train.global_batch_size, seq_len, seed or the optimizer or scheduler kind;
-    false resumes anyway (the data position and optimizer state then mean something else)."""
+    """Refuse a resume that changes the model, the data, train.global_batch_size, seq_len, seed or the optimizer
+    or scheduler kind (changed optimizer settings and schedule are applied); false resumes anyway (the weights, data
+    position and optimizer state then mean something else)."""
     overwrite: bool = False
     """Let a run that does not resume (resume=none, or another run's checkpoint) start in a run directory that
     already holds checkpoints; they are kept (retention deletes only this run's own), same steps are replaced."""
+    run_lock: str = "wait"
+    """One job per run directory: a second job (a requeued job while the old one drains) waits for the first to
+    end (wait, up to run_lock_timeout_s), stops at once (refuse), or is not stopped (off)."""
+    run_lock_timeout_s: float = 600.0
+    """How long run_lock=wait waits for the run directory before giving up."""
     load_weights: Optional[str] = None
     """Warm start: load only model weights from this checkpoint (a run directory or a checkpoint folder)."""
     load_weights_exclude: list[str] = field(default_factory=list)

@@ -41,8 +41,22 @@ def fit_defaults_to_run(cfg: DictConfig) -> None:
         log.warning("%s", note)
 
 
+def check_output_dir() -> None:
+    """An empty hydra.run.dir (or hydra.sweep.dir) would make the current directory the run directory."""
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    key = "hydra.sweep.dir" if hydra_cfg.mode == RunMode.MULTIRUN else "hydra.run.dir"
+    if not str(OmegaConf.select(hydra_cfg, key.removeprefix("hydra.")) or "").strip():
+        log_file = Path(hydra_cfg.runtime.output_dir) / f"{hydra_cfg.job.name}.log"
+        if log_file.is_file() and log_file.stat().st_size == 0:
+            log_file.unlink()  # Hydra's log file, made in the current directory before this check
+        raise ConfigError(f"{key} is empty: give the run a folder of its own (e.g. {key}=outputs/my-run)")
+
+
 def _task(cfg: DictConfig) -> None:
     try:
+        check_output_dir()
         fit_defaults_to_run(cfg)
         if PLAN_ONLY:
             from forge.train.plan_report import print_plan

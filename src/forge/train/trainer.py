@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from forge.checkpoint import Checkpointer, CheckpointError, RunState
+from forge.checkpoint.run_lock import hold_run_dir
 from forge.config import validate
 from forge.data.loader import batch_to_device, eval_batches
 from forge.metrics.logger import format_duration
@@ -28,6 +29,7 @@ from forge.resilience.health import check_device
 from forge.resilience.preemption import EXIT_INTERRUPTED, PreemptionHandler
 from forge.train import build
 from forge.train.precision import autocast, resolve_dtype
+from forge.train.run_files import save_hydra_files
 
 log = logging.getLogger("forge")
 
@@ -103,10 +105,14 @@ class Trainer:
         self.run_dir = Path(dist.shared_run_dir(str(self.run_dir)))
         if not dist.is_main_process():
             log.setLevel(logging.WARNING)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, build.config_yaml(cfg))
+        ckpt = cfg.checkpoint
+        self.run_lock = hold_run_dir(self.run_dir, ckpt.run_lock, ckpt.run_lock_timeout_s)  # one job per run dir
+        self.checkpointer = Checkpointer(ckpt, self.run_dir, build.config_yaml(cfg))
         self.checkpointer.check_run_dir()  # a fresh run never mixes with another run's checkpoints
+        self.checkpointer.check_resume()  # a refused resume costs no model build and leaves the run as it was
         if dist.is_main_process():
             self.checkpointer.check_writable()  # before the model is built, not at the first save
+            save_hydra_files(self.run_dir, cfg)  # this run owns the directory now: its config replaces the last one
         self.mesh = build_mesh(self.degrees, self.device.type)
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
 
@@ -312,6 +318,8 @@ class Trainer:
         finally:
             forget_metrics_on_exit()
             self.guard.close()
+            if self.run_lock is not None:
+                self.run_lock.release()
 
     def _fit(self) -> dict:
         train = self.cfg.train

@@ -16,6 +16,9 @@ class AdamWScheduleFree(schedulefree.AdamWScheduleFree):
     state it loads into, and a resumed run silently restarts z and the second moments.
     """
 
+    STATE_GROUP_KEYS = ("k", "train_mode", "weight_sum", "lr_max", "scheduled_lr")
+    """Param-group entries that are training state, not settings: a resume keeps the checkpoint's."""
+
     def train(self) -> None:
         super().train()
         self._drop_empty_state()
