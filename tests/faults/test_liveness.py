@@ -150,7 +150,9 @@ def progress_of_rank(rank: int, rank_behind: int) -> str:
     for step in range(1, last + 1):
         board.started(step)
     dist.barrier()
-    return board.report()
+    report = board.report()
+    dist.barrier()  # rank 0 serves the store: it must not leave while another rank still reads
+    return report
 
 
 def test_the_progress_board_names_the_rank_that_did_not_start_the_step():

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from forge.resilience.hard_exit import hard_exit
 from forge.resilience.liveness import EXIT_PEER_LOST, Liveness, PeerLostError, is_collective_failure
-from forge.resilience.nonfinite import NonFiniteError, NonFinitePolicy
+from forge.resilience.nonfinite import NonFiniteError, NonFinitePolicy, step_flags
 from forge.resilience.preemption import PreemptionHandler
 from forge.resilience.progress import ProgressBoard
 from forge.resilience.watchdog import StepWatchdog
@@ -54,8 +54,11 @@ class StepGuard:
             time.sleep(3600)
 
     def step_is_finite(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Apply the policy; False means: do not step the optimizer."""
-        if not NonFinitePolicy.is_bad(loss, grad_norm):
+        """Apply the policy; False means: do not step the optimizer. Every rank also learns here whether any rank
+        was signalled to stop (the same all-reduce): `preemption.should_stop` then costs nothing this step."""
+        bad, stop = step_flags(loss, grad_norm, self.preemption.received is not None)
+        self.preemption.agreed = stop
+        if not bad:
             return True
         policy = self.nonfinite
         message = policy.describe(step, loss, grad_norm)

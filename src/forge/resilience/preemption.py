@@ -1,9 +1,9 @@
 """Stop cleanly when SLURM, submitit or a user sends SIGTERM / SIGUSR1 / SIGUSR2, or presses Ctrl-C (SIGINT).
 
-The handler only sets a flag. At the end of each step every rank learns whether any rank was signalled (a MAX
-all-reduce), so all stop after the same step, checkpoint, and exit with EXIT_PREEMPTED, which a launcher can
-requeue on (Ctrl-C: EXIT_INTERRUPTED, no requeue; a second Ctrl-C stops at once). A hard deadline ends the process
-anyway if the final save hangs.
+The handler only sets a flag. In each step every rank learns whether any rank was signalled (a MAX all-reduce,
+shared with the non-finite check), so all stop after the same step, checkpoint, and exit with EXIT_PREEMPTED,
+which a launcher can requeue on (Ctrl-C: EXIT_INTERRUPTED, no requeue; a second Ctrl-C stops at once). A hard
+deadline ends the process anyway if the final save hangs.
 """
 
 import logging
@@ -25,6 +25,7 @@ class PreemptionHandler:
     def __init__(self, signals: list[str], deadline_s: float):
         self.deadline_s = deadline_s
         self.received: str | None = None
+        self.agreed: bool | None = None  # this step's agreement of every rank, when the step guard made one
         self._previous = {}
         for name in signals:
             signum = getattr(signal, name)
@@ -44,7 +45,11 @@ class PreemptionHandler:
         hard_exit(EXIT_PREEMPTED)
 
     def should_stop(self, device: torch.device) -> bool:
-        """True on every rank once any rank was signalled."""
+        """True on every rank once any rank was signalled: the flag the step's all-reduce agreed on (`agreed`,
+        set by the step guard), else an all-reduce of its own."""
+        if self.agreed is not None:
+            flag, self.agreed = self.agreed, None
+            return flag
         flag = self.received is not None
         if dist.is_initialized() and dist.get_world_size() > 1:
             tensor = torch.tensor([1 if flag else 0], device=device)

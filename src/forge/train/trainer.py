@@ -193,7 +193,8 @@ class Trainer:
         set_optimizer_mode(self.optimizer, "train")
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) as tensors.
+        """One optimizer step over grad_accum micro-batches; returns (this rank's share of the loss, grad norm) as
+        tensors (`mean_over_dp` of the first is the step's loss: the loop averages it only when it logs).
 
         The loss is the mean over the global batch's labelled tokens, whatever the micro-batch size, accumulation
         and dp size: each micro-batch's mean is weighted by its share of the labelled tokens of the whole step
@@ -218,7 +219,8 @@ class Trainer:
         grad_norm = clip_grad_norm(self.model, train.grad_clip, pp_group)
         if self.guard.step_is_finite(self.state.step + 1, loss_sum, grad_norm):
             self.optimizer.step()
-            update_router_biases(self.model, sum_over_ranks)  # sigmoid routers: outside the gradient
+            # sigmoid routers: outside the gradient; the loads are summed over ranks only where needed
+            update_router_biases(self.model, sum_over_ranks, for_metrics=self.is_log_step(self.state.step + 1))
             if self.float8_all_gather:
                 from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -227,7 +229,10 @@ class Trainer:
         for group in self.optimizer.param_groups:  # data phases may scale the next step's lr (mixture annealing)
             group["lr"] *= self.loader.lr_scale
         self.optimizer.zero_grad(set_to_none=True)
-        return mean_over_dp(loss_sum, self.mesh), grad_norm
+        return loss_sum, grad_norm
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
 
     def labelled_tokens(self, batch) -> torch.Tensor:
         """Tokens of a micro-batch that carry a label (not -100)."""
@@ -336,7 +341,7 @@ class Trainer:
             self.metrics.log_eval(self.state.step, first_val)
         start = time.perf_counter()
         self.meter.restart(self.state.step, self.state.tokens_seen)
-        loss = torch.full((), float("nan"))  # no step run: no training loss
+        loss = local_loss = torch.full((), float("nan"))  # no step run: no training loss
         while self.state.step < train.steps:
             lr = self.optimizer.param_groups[0]["lr"]  # includes a data phase's lr_scale
             self.profiler.step_started(self.state.step + 1)
@@ -347,7 +352,7 @@ class Trainer:
                 self.state.tokens_seen += self.tokens_per_step
                 continue
             try:
-                loss, grad_norm = self.train_step()
+                local_loss, grad_norm = self.train_step()
             except RollbackRequested as rollback:
                 self.roll_back(rollback.step)
                 continue
@@ -356,7 +361,8 @@ class Trainer:
             self.state.tokens_seen += self.tokens_per_step
             step = self.state.step
             self.profiler.step_finished(step)
-            if step % train.log_every == 0 or step == train.steps:
+            if self.is_log_step(step):
+                loss = mean_over_dp(local_loss, self.mesh)
                 self.metrics.log_train(
                     step,
                     {
@@ -390,6 +396,8 @@ class Trainer:
                 )
                 self.preempted = True
                 break
+        if self.preempted and not self.is_log_step(self.state.step):
+            loss = mean_over_dp(local_loss, self.mesh)  # every rank stopped after this step
         self.checkpointer.wait()
         if self.checkpointer.last_save_error:  # on_save_error=continue kept training; the run must not look whole
             raise CheckpointError(

@@ -41,22 +41,34 @@ def router_losses(model: nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def update_router_biases(model: nn.Module, all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+def update_router_biases(
+    model: nn.Module, all_reduce: Callable[[torch.Tensor], None] | None = None, for_metrics: bool = True
+) -> None:
     """Sigmoid routers: bias += rate * sign(mean_load - load), from this step's tallied loads (DeepSeek-V3).
 
-    `all_reduce` sums a tensor over the processes in place, so every replica of a router takes the same step.
-    Resets the tally (its last value stays readable as `last_step_tally` for the metrics).
+    `all_reduce` sums a tensor over the processes in place, so every replica of a router takes the same step; it
+    runs once for all layers that need the global loads (the bias updates, and with `for_metrics` every layer, for
+    `moe_metrics` on a log step), not once per layer and step. Resets the tally (its last value stays readable as
+    `last_step_tally` for the metrics; between log steps a layer without a bias update keeps this rank's loads).
     """
-    for _, layer in moe_layers(model):
-        tally = getattr(layer, "step_tally", None)
-        if tally is None:
-            continue
-        if all_reduce is not None:
-            all_reduce(tally)
+    layers = [layer for _, layer in moe_layers(model) if getattr(layer, "step_tally", None) is not None]
+    if all_reduce is not None:
+        shared = [layer for layer in layers if for_metrics or _updates_bias(layer)]
+        if shared:
+            flat = torch.cat([layer.step_tally.reshape(-1) for layer in shared])
+            all_reduce(flat)
+            for layer, summed in zip(shared, flat.split([layer.step_tally.numel() for layer in shared])):
+                layer.step_tally = summed.view_as(layer.step_tally)
+    for layer in layers:
+        tally = layer.step_tally
         layer.last_step_tally, layer.step_tally = tally, None
-        if layer.args.router == "sigmoid_topk" and layer.args.bias_update_rate:
+        if _updates_bias(layer):
             load = tally[0]
             layer.router.expert_bias.add_(layer.args.bias_update_rate * torch.sign(load.mean() - load))
+
+
+def _updates_bias(layer: MoE) -> bool:
+    return layer.args.router == "sigmoid_topk" and bool(layer.args.bias_update_rate)
 
 
 def moe_metrics(model: nn.Module) -> dict[str, float]:
