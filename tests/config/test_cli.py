@@ -111,3 +111,21 @@ def test_a_sweep_with_a_bad_point_runs_none_of_its_points(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("forge-train: invalid sweep: sweep point optimizer.lr=-1 "), lines
     assert "must be positive" in lines[0]
     assert not list((tmp_path / "sweep").glob("*/metrics.jsonl"))  # not even the good first point ran
+
+
+def test_an_unresolvable_interpolation_is_one_line_naming_its_key(tmp_path):
+    """OmegaConf's error used to surface as a traceback from the first function that read the value."""
+    result = run_cli(tmp_path, "train.steps=${nope}")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "train.steps='${nope}' cannot be resolved" in lines[0], lines
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_plan_refuses_a_world_size_of_zero(tmp_path):
+    """`--plan parallel.world_size=0` used to plan for one rank as if the world size were unset."""
+    result = run_cli(tmp_path, "--plan", "parallel.world_size=0")
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "parallel.world_size=0 must be at least 1" in lines[0], lines
+    assert "Traceback" not in result.stderr and "plan for" not in result.stdout

@@ -99,6 +99,16 @@ CASES = [
     (["loss=chunked_cross_entropy", "parallel=tp2"], 2, ["loss=chunked_cross_entropy", "parallel.tp=2"]),
     (["loss=z_loss", "parallel=pp2", "train.micro_batch_size=4"], 2, ["loss.z_loss_weight=0.0001", "parallel.pp=2"]),
     (["loss=chunked_cross_entropy", "vlm=joint_decoder", "data=vqa_embedded"], 1, ["not supported with a VLM"]),
+    (["train.steps=100000000"], 1, ["train.steps=100000000 is more than 99,999,999", "step-NNNNNNNN"]),
+    (["train.threads=-3"], 1, ["train.threads=-3 must be >= 0"]),
+    (["checkpoint.milestones=[50,500]", "train.steps=100"], 1, ["checkpoint.milestones has 500,", "train.steps=100"]),
+    (["checkpoint.milestones=[0]"], 1, ["checkpoint.milestones has 0,"]),
+    (["parallel.world_size=0"], 1, ["parallel.world_size=0 must be at least 1"]),
+    (["data.val_every=0"], 1, ["data.val_every=0 must be at least 1"]),
+    (["data.vocab_size=1"], 1, ["data.vocab_size=1 is too small", "data.tokenizer=bpe8k", "at least 257"]),
+    (["data=embedded_gpt2", "data.vocab_size=50000"], 1, ["data.vocab_size=50000", "gpt2 has 50257"]),
+    (["train.steps=${nope}"], 1, ["train.steps='${nope}' cannot be resolved", "'nope' not found"]),
+    (["data.cache_dir=${oc.env:FORGE_NO_SUCH_VAR}"], 1, ["data.cache_dir='${oc.env:FORGE_NO_SUCH_VAR}'"]),
 ]
 
 
@@ -132,3 +142,11 @@ def test_cuda_requested_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="train.device=cuda"):
         validate(compose(["train.device=cuda"]), world_size=1)
+
+
+def test_warm_start_from_a_weights_file_is_refused_before_the_model(tmp_path):
+    """checkpoint.load_weights reads folders; a file used to be refused only once the model was built."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match=f"checkpoint.load_weights={weights} is a file: .*forge-convert --to dcp"):
+        validate(compose([f"checkpoint.load_weights={weights}"]), world_size=1)

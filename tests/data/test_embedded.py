@@ -1,6 +1,8 @@
 import numpy as np
+import pytest
 
-from forge.data.embedded import read_scenes
+from forge.data.embedded import EmbeddedCorpus, read_scenes
+from forge.data.sources import DataError
 
 
 def test_corpus_is_shakespeare_with_held_out_scenes(corpus):
@@ -24,3 +26,11 @@ def test_gpt2_tokenizer_from_package(tmp_path):
     assert tokenizer.encode("Hello world").ids == [15496, 995]
     assert tokenizer.get_vocab_size() == 50257
     assert tokenizer.decode(tokenizer.encode("Thou art a villain.").ids) == "Thou art a villain."
+
+
+def test_an_unusable_cache_dir_is_named_before_any_work():
+    """FORGE_CACHE_DIR (data.cache_dir) that cannot be created used to end in a FileNotFoundError traceback."""
+    with pytest.raises(
+        DataError, match="data.cache_dir=/proc/forge-cache: cannot use the corpus cache .*FORGE_CACHE_DIR"
+    ):
+        EmbeddedCorpus("bpe8k", 8192, "/proc/forge-cache")

@@ -86,11 +86,26 @@ def test_bad_input_names_the_field_file_and_setting(jsonl, tmp_path):
         corpus(tmp_path / "nowhere.jsonl")
     with pytest.raises(DataError, match="data.vocab_size=512"):
         HFDatasetCorpus(str(jsonl), vocab_size=512, text_field="story")
-    with pytest.raises(DataError, match="no training documents: data.val_documents=20"):
-        corpus(jsonl, val_documents=20)
-    loader = corpus(jsonl, val_documents=20, streaming=True).make_loader(SEQ, MICRO, MICRO, 0, 0, 1)
-    with pytest.raises(DataError, match="no training documents after data.val_documents"):
-        loader.next_batch()
+    for streaming in (False, True):  # a stream used to be refused only at the first training batch
+        with pytest.raises(DataError, match="no training documents: data.val_documents=20 holds out all 20 records"):
+            corpus(jsonl, val_documents=20, streaming=streaming)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_line_that_is_not_utf8_is_named_by_file_and_line(jsonl, streaming):
+    """`datasets` raised a bare UnicodeDecodeError (a traceback) while iterating, naming neither."""
+    lines = jsonl.read_bytes().splitlines(keepends=True)
+    jsonl.write_bytes(b"".join(lines[:5]) + b'{"story": "bad \xff"}\n' + b"".join(lines[5:]))
+    source = corpus(jsonl, streaming=streaming, shuffle=False)  # the validation documents decode
+    with pytest.raises(DataError, match=f"{jsonl}:6: not valid UTF-8"):
+        batches(source.make_loader(SEQ, MICRO, MICRO, 0, 0, 1), 200)
+
+
+def test_a_text_field_that_is_not_a_string_is_named(tmp_path):
+    path = tmp_path / "numbers.jsonl"
+    path.write_text("".join(f'{{"story": {i}}}\n' for i in range(5)))
+    with pytest.raises(DataError, match="text field 'story' holds int, not a string"):
+        corpus(path, streaming=True)
 
 
 def test_training_on_a_streamed_dataset_resumes_bit_for_bit(jsonl, tmp_path, scenes):

@@ -75,3 +75,15 @@ def test_a_shard_with_out_of_vocabulary_bytes_is_named_when_its_sample_is_read(p
         DataError, match=r"the training split of data.path=.*: token id 65000 .* \(data.vocab_size=50257\)"
     ):
         windows[bad]
+
+
+def test_an_eos_id_outside_the_vocabulary_is_named(prepared):
+    """With data.document_masking such an id used to mask nothing, silently: no token ever equals it."""
+    meta_file = prepared / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    for eos in (50257, -1, None):
+        meta_file.write_text(json.dumps(meta | {"eos_id": eos}))
+        with pytest.raises(
+            DataError, match=rf"{meta_file}: eos_id={eos} is not a token of the vocabulary \(0..50256\)"
+        ):
+            MemmapCorpus(str(prepared), vocab_size=50257, document_masking=True)

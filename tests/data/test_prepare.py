@@ -72,6 +72,15 @@ def test_missing_file_exits_2_naming_it_and_writes_nothing(tmp_path):
             {"tokenizer": "bpe", "vocab_size": 0},
             "vocab_size=0",
         ),
+        (
+            lambda d: (d / "n.jsonl").write_text('{"text": "x"}\n{"text": null}\n'),
+            {},
+            "n.jsonl:2: text field 'text' is null",
+        ),
+        (lambda d: (d / "i.jsonl").write_text('{"text": 12}\n'), {}, "i.jsonl:1: text field 'text' is a number"),
+        (lambda d: (d / "o.jsonl").write_text('{"text": {"a": 1}}\n'), {}, "o.jsonl:1: text field 'text' is an object"),
+        (lambda d: (d / "b.jsonl").write_bytes(b'{"text": "x"}\n{"text": "\xff"}\n'), {}, "b.jsonl:2: not valid UTF-8"),
+        (lambda d: (d / "b.txt").write_bytes(b"one\ntwo \xfe\n"), {}, "b.txt:2: not valid UTF-8 .byte 0xfe at byte 5"),
     ],
 )
 def test_bad_input_names_the_problem_and_leaves_no_output(tmp_path, make_input, overrides, message):
@@ -81,6 +90,18 @@ def test_bad_input_names_the_problem_and_leaves_no_output(tmp_path, make_input, 
     with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):
         prepare(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_a_file_named_twice_or_reached_through_a_symlink_loop_is_read_once(tmp_path, inputs, caplog):
+    """`**` walks round a symlink loop (each file used to be read once per lap, until the path was too long)."""
+    (inputs / "loop").symlink_to(inputs)
+    files = [str(inputs / "**" / "*.jsonl"), str(inputs / "a.jsonl")]
+    with caplog.at_level("WARNING"):
+        meta, _ = prepare(prepare_config(inputs=files, out_dir=str(tmp_path / "out")))
+    read = [f["file"] for f in meta["request"]["sources"]["files"]]
+    assert meta["documents"] == 30 and read == [str(inputs / "a.jsonl")]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "more than once" in warnings[0] and str(inputs / "a.jsonl") in warnings[0]
 
 
 def test_an_out_dir_that_cannot_be_created_is_named(tmp_path, inputs):

@@ -131,6 +131,7 @@ def _other_errors_pass_through(rank: int):
     guard = _guard()
     guard.step_started(1)
     guard.exit_if_peer_lost(ValueError("a bug, not a lost peer"))
+    dist.barrier()  # rank 0 serves the store the guard wrote to: it must not leave first
     return "returned"
 
 

@@ -180,3 +180,29 @@ def test_eval_refuses_zero_sizes_and_a_seq_len_beyond_the_model(run_dir, capsys)
     assert forge_eval([f"checkpoint={folder}", "data=memmap", "data_overrides=[data.path=/nope]"]) == 1
     err = capsys.readouterr().err
     assert "data.vocab_size is not set and cannot be read from data.path=/nope" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("make_source", "message"),
+    [
+        (lambda d: (d / "w.safetensors").write_bytes(b"\xff" * 64), "w.safetensors is not a readable safetensors"),
+        (lambda d: (d / "hf/config.json").write_text('{"model_type": "llama",\n'), "config.json:2: not valid JSON"),
+        (lambda d: (d / "hf/config.json").write_text('{"model_type": "llama"}'), "lacks 'num_attention_heads'"),
+        (lambda d: (d / "hf/config.json").write_text("[1, 2]"), "is not a Llama or Mixtral config"),
+    ],
+)
+def test_garbage_weights_or_hf_config_is_one_line_naming_the_file(tmp_path, capsys, make_source, message):
+    """forge-generate and forge-convert read these through load_any; each used to end in a traceback."""
+    from forge.checkpoint.cli import main as forge_convert
+    from forge.checkpoint.errors import CheckpointError
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf/model.safetensors").write_bytes(b"\xff" * 64)
+    make_source(tmp_path)
+    source = tmp_path / ("w.safetensors" if (tmp_path / "w.safetensors").exists() else "hf")
+    with pytest.raises(CheckpointError, match=message):
+        forge.load_pretrained(source)
+    assert forge_convert(["--to", "torch", str(source), str(tmp_path / "out.pt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message.split(":")[0] in err and "Traceback" not in err
+    assert not (tmp_path / "out.pt").exists()

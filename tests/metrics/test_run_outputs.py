@@ -110,3 +110,19 @@ def test_a_resumed_run_continues_its_mlflow_run(tmp_path):
     (experiment,) = [e for e in client.search_experiments() if e.name == "forge"]
     (run,) = client.search_runs([experiment.experiment_id])
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [3, 5]
+
+
+def test_forge_plot_skips_a_last_line_cut_by_a_kill_and_names_a_bad_line_before_it(tmp_path, capsys, caplog):
+    """A run killed while writing metrics.jsonl used to make forge-plot end in a JSONDecodeError traceback."""
+    good = [{"step": s, "loss": 5.0 - s, "lr": 1e-3, "tokens_per_s": 100.0} for s in (1, 2)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in good) + '{"step": 3, "lo')
+    with caplog.at_level(logging.WARNING, logger="forge"):
+        assert forge_plot([str(tmp_path)]) == 0
+    assert png_size(tmp_path / "metrics.png") == (1200, 360)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"forge-plot: warning: {metrics}:3: last line cut short (Unterminated string starting at), skipped"
+    ]
+    metrics.write_text('{"step": 1, "lo\n' + json.dumps(good[1]) + "\n")
+    assert forge_plot([str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"forge-plot: {metrics}:1: not a JSON line (Unterminated string starting at)\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from forge.checkpoint.errors import CheckpointError
@@ -62,12 +62,7 @@ def load_any(source: str | Path) -> tuple[dict[str, torch.Tensor], TransformerAr
     if src.is_dir() and any(src.glob("*.safetensors")) and not (src / "checkpoints").is_dir():
         raise CheckpointError(f"{src} holds safetensors weights but no config.json (a Hugging Face folder needs both)")
     if src.is_file() and src.suffix == ".safetensors":
-        with safe_open(str(src), framework="pt") as f:
-            meta = f.metadata() or {}
-            if _ARGS_KEY not in meta:
-                raise CheckpointError(f"{src} carries no '{_ARGS_KEY}' metadata (not written by forge-convert)")
-            state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-        return state, args_from_dict(json.loads(meta[_ARGS_KEY])), None
+        return (*_load_safetensors(src), None)
     if src.is_file():
         try:
             blob = torch.load(src, weights_only=True, map_location="cpu")
@@ -77,6 +72,22 @@ def load_any(source: str | Path) -> tuple[dict[str, torch.Tensor], TransformerAr
             raise CheckpointError(f"{src} is not a consolidated forge file (expected keys 'model' and 'args')")
         return blob["model"], args_from_dict(blob["args"]), None
     return _load_dcp(resolve_checkpoint(src))
+
+
+def _load_safetensors(src: Path) -> tuple[dict[str, torch.Tensor], TransformerArgs]:
+    """A consolidated safetensors file that forge-convert wrote (its model args in the metadata)."""
+    try:
+        with safe_open(str(src), framework="pt") as f:
+            meta = f.metadata() or {}
+            if _ARGS_KEY not in meta:
+                raise CheckpointError(f"{src} carries no '{_ARGS_KEY}' metadata (not written by forge-convert)")
+            state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    except SafetensorError as err:
+        raise CheckpointError(f"{src} is not a readable safetensors file ({err})") from None
+    try:
+        return state, args_from_dict(json.loads(meta[_ARGS_KEY]))
+    except (ValueError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{src}: its '{_ARGS_KEY}' metadata is not forge model args ({err})") from None
 
 
 def _copy_tokenizer(checkpoint: Path | None, source: Path, dst: Path) -> None:

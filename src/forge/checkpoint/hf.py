@@ -207,6 +207,24 @@ def hf_config_to_args(config: dict) -> TransformerArgs:
     )
 
 
+def read_hf_config(config_file: Path) -> TransformerArgs:
+    """Our model args from a config.json; a file that is not JSON or not a Llama/Mixtral config is named."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file}:{err.lineno}: not valid JSON ({err.msg})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{config_file} is not a text file (not valid UTF-8)") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} is not a Llama or Mixtral config (a JSON object)")
+    try:
+        return hf_config_to_args(config)
+    except KeyError as err:
+        raise CheckpointError(f"{config_file} lacks {err.args[0]!r}, which a Llama or Mixtral config has") from None
+    except (TypeError, ValueError, ZeroDivisionError) as err:
+        raise CheckpointError(f"{config_file} is not a usable Llama or Mixtral config ({err})") from None
+
+
 def save_hf(state: dict[str, torch.Tensor], args: TransformerArgs, out_dir: Path) -> None:
     """Write config.json + model.safetensors loadable by LlamaForCausalLM / MixtralForCausalLM.from_pretrained."""
     config = args_to_hf_config(args)  # before writing anything: an unsupported model leaves no folder behind
@@ -221,7 +239,7 @@ def load_hf(folder: Path) -> tuple[dict[str, torch.Tensor], TransformerArgs]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder} has no config.json")
-    args = hf_config_to_args(json.loads(config_file.read_text()))
+    args = read_hf_config(config_file)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder} has no *.safetensors weights")

@@ -15,6 +15,8 @@ from forge.files import temp_file
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+MAX_STEP = 10**8 - 1
+"""The last step whose checkpoint folder name (eight digits) `_STEP_DIR` recognises."""
 
 
 def step_dir(root: Path, step: int) -> Path:

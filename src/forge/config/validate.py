@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from forge.config.errors import ConfigError
+from forge.config.interpolations import validate_interpolations
 from forge.parallel.env import read_dist_env
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ ROUTERS = ("softmax_topk", "sigmoid_topk")
 AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global_batch")
 ASYNC_MODES = ("sync", "async", "async_pinned")
 MEMMAP_TARGET = "forge.data.memmap.MemmapCorpus"
+EMBEDDED_TARGET = "forge.data.embedded.EmbeddedCorpus"
 
 
 def _require(ok: bool, message: str) -> None:
@@ -91,6 +93,8 @@ def validate_model(model: DictConfig) -> None:
 
 
 def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
+    from forge.checkpoint.layout import MAX_STEP
+
     train = cfg.train
     _one_of("train.dtype", train.dtype, DTYPES)
     _one_of("train.device", train.device, DEVICES)
@@ -98,6 +102,12 @@ def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
         _require(torch.cuda.is_available(), "train.device=cuda but no CUDA device is available")
     for key in ("steps", "seq_len", "global_batch_size", "log_every", "eval_batches"):
         _require(train[key] > 0, f"train.{key}={train[key]} must be positive")
+    _require(
+        train.steps <= MAX_STEP,
+        f"train.steps={train.steps} is more than {MAX_STEP:,}, the last step a checkpoint folder name "
+        "(step-NNNNNNNN) holds",
+    )
+    _require(train.threads >= 0, f"train.threads={train.threads} must be >= 0 (0 keeps torch's default)")
     fill_micro_batch(train, degrees.dp)
     _require(train.eval_every >= 0, f"train.eval_every={train.eval_every} must be >= 0")
     _require(
@@ -146,6 +156,7 @@ def override_keys(overrides: list[str]) -> frozenset[str]:
 def fit_warmup_to_run(cfg: DictConfig, explicit_keys: frozenset[str]) -> str | None:
     """A warmup longer than the run (a preset's default, e.g. train.steps=4 against 20 steps of warmup) is cut to
     train.steps; returns the note saying so. Both set by the user (in `explicit_keys`) stays an error."""
+    validate_interpolations(cfg)  # the first function forge-train runs on the config: before anything reads a value
     warmup = cfg.scheduler.get("warmup_steps")
     steps = cfg.train.steps
     if warmup is None or not isinstance(steps, int) or steps < 1 or warmup <= steps:
@@ -192,6 +203,12 @@ def unsupported_keys(name: str, cfg: DictConfig, degrees: Degrees) -> str:
 def validate_combinations(cfg: DictConfig, degrees: Degrees) -> None:
     for name, applies, why in UNSUPPORTED:
         _require(not applies(cfg, degrees), f"{unsupported_keys(name, cfg, degrees)} is not supported: {why}")
+
+
+def validate_world_size(parallel: DictConfig) -> None:
+    """parallel.world_size=0 would read as unset (the environment's world size) in `validate` and `--plan`."""
+    size = parallel.world_size
+    _require(size is None or size >= 1, f"parallel.world_size={size} must be at least 1 (null: from the environment)")
 
 
 def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
@@ -282,6 +299,31 @@ def fill_vocab_from_data_meta(data: DictConfig) -> None:
         ) from err
 
 
+BYTE_BPE_TOKENIZERS = ("bpe8k", "bpe")
+"""data.tokenizer values that train a byte-level BPE on the data."""
+GPT2_VOCAB = 50257
+
+
+def validate_data(data: DictConfig) -> None:
+    """Values a corpus would trip over (a modulo by zero, a tokenizer that cannot have the size asked for)."""
+    from forge.data.tokenizer import MIN_BPE_VOCAB
+
+    if "val_every" in data:
+        _require(data.val_every >= 1, f"data.val_every={data.val_every} must be at least 1 (every n-th is held out)")
+    vocab, tokenizer = data.get("vocab_size"), data.get("tokenizer")
+    if vocab is None:
+        return
+    _require(vocab >= 1, f"data.vocab_size={vocab} must be positive")
+    if tokenizer in BYTE_BPE_TOKENIZERS:
+        _require(
+            vocab >= MIN_BPE_VOCAB,
+            f"data.vocab_size={vocab} is too small for the byte-level BPE of data.tokenizer={tokenizer}: at least "
+            f"{MIN_BPE_VOCAB} (the 256 bytes and EOS)",
+        )
+    if tokenizer == "gpt2" and data.get("_target_") == EMBEDDED_TARGET:
+        _require(vocab == GPT2_VOCAB, f"data.vocab_size={vocab} but data.tokenizer=gpt2 has {GPT2_VOCAB} tokens")
+
+
 def validate_required(cfg: DictConfig, prefix: str = "") -> None:
     """Every mandatory (???) value is set: named all at once, before an interpolation trips over one of them.
     `prefix` names the node `cfg` is (e.g. "data." for a data config on its own)."""
@@ -336,11 +378,36 @@ def validate_metrics(cfg: DictConfig) -> None:
 
 
 def validate_checkpoint(cfg: DictConfig) -> None:
+    from forge.checkpoint.run_lock import RUN_LOCK_MODES
+
     ckpt = cfg.checkpoint
     _one_of("checkpoint.async_mode", ckpt.async_mode, ASYNC_MODES)
     _one_of("checkpoint.on_save_error", ckpt.on_save_error, ("raise", "continue"))
+    _one_of("checkpoint.run_lock", ckpt.run_lock, RUN_LOCK_MODES)
+    _require(ckpt.run_lock_timeout_s >= 0, f"checkpoint.run_lock_timeout_s={ckpt.run_lock_timeout_s} must be >= 0")
     _require(ckpt.interval >= 0, f"checkpoint.interval={ckpt.interval} must be >= 0")
     _require(ckpt.keep_last_n >= 1, f"checkpoint.keep_last_n={ckpt.keep_last_n} must be at least 1")
+    steps = cfg.train.steps
+    outside = [m for m in ckpt.milestones if not 1 <= m <= steps]
+    _require(
+        not outside,
+        f"checkpoint.milestones has {', '.join(map(str, outside))}, outside the run's steps 1..train.steps={steps} "
+        "(no checkpoint would be saved there)",
+    )
+    if ckpt.load_weights:
+        validate_warm_start_source(str(ckpt.load_weights))
+
+
+def validate_warm_start_source(source: str) -> None:
+    """checkpoint.load_weights reads folders (a forge run or checkpoint, a Hugging Face model); a weights file would
+    only be found wanting once the model is built."""
+    from pathlib import Path
+
+    _require(
+        not Path(source).expanduser().is_file(),
+        f"checkpoint.load_weights={source} is a file: warm start reads a forge run directory or checkpoint folder, "
+        "or a Hugging Face folder; convert a weights file first with forge-convert --to dcp",
+    )
 
 
 def validate_resilience(cfg: DictConfig) -> None:
@@ -422,14 +489,17 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     # make `import forge.parallel.plan` before `import forge.config` a circular import.
     from forge.parallel.degrees import resolve_degrees
 
-    if world_size is None:
-        world_size = cfg.parallel.world_size or read_dist_env().world_size
     validate_top_level(cfg)
     for group in cfg:
         if isinstance(cfg._get_node(group), DictConfig) and cfg[group] is not None:
             validate_known_keys(cfg[group], f"{group}.")
+    validate_interpolations(cfg)
+    validate_world_size(cfg.parallel)
+    if world_size is None:
+        world_size = cfg.parallel.world_size or read_dist_env().world_size
     fill_vocab_from_data_meta(cfg.data)
     validate_required(cfg)
+    validate_data(cfg.data)
     validate_model(cfg.model)
     degrees = resolve_degrees(cfg.parallel, world_size)
     validate_train(cfg, degrees)

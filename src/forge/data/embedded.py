@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from forge.data.sources import DataError
 from forge.data.tokenizer import EOS, gpt2_tokenizer, package_dir, train_bpe
 from forge.files import temp_file
 
@@ -57,20 +58,27 @@ class EmbeddedCorpus:
         self, tokenizer: str, vocab_size: int, cache_dir: str, val_every: int = 20, document_masking: bool = False
     ):
         if tokenizer not in ("bpe8k", "gpt2"):
-            raise ValueError(f"data.tokenizer={tokenizer!r} is not one of bpe8k, gpt2")
+            raise DataError(f"data.tokenizer={tokenizer!r} is not one of bpe8k, gpt2")
         scenes = read_scenes()
         train_docs = [s for i, s in enumerate(scenes) if (i + 1) % val_every]
         val_docs = [s for i, s in enumerate(scenes) if (i + 1) % val_every == 0]
         digest = hashlib.sha256("\x00".join(scenes).encode()).hexdigest()[:12]
         folder = Path(cache_dir).expanduser() / "embedded" / f"{tokenizer}-{vocab_size}-{digest}-v{val_every}"
-        self.tokenizer = self._load_tokenizer(tokenizer, vocab_size, train_docs, folder)
-        self.eos_id = self.tokenizer.token_to_id(EOS)
-        self.vocab_size = self.tokenizer.get_vocab_size()
-        if self.vocab_size != vocab_size:
-            raise ValueError(f"data.vocab_size={vocab_size} but the {tokenizer} tokenizer has {self.vocab_size}")
-        dtype = np.uint16 if self.vocab_size <= 65536 else np.uint32
-        self.train_tokens = self._tokens(folder / "train.npy", train_docs, dtype)
-        self.val_tokens = self._tokens(folder / "val.npy", val_docs, dtype)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)  # before a BPE is trained for minutes, not after
+            self.tokenizer = self._load_tokenizer(tokenizer, vocab_size, train_docs, folder)
+            self.eos_id = self.tokenizer.token_to_id(EOS)
+            self.vocab_size = self.tokenizer.get_vocab_size()
+            if self.vocab_size != vocab_size:
+                raise DataError(f"data.vocab_size={vocab_size} but the {tokenizer} tokenizer has {self.vocab_size}")
+            dtype = np.uint16 if self.vocab_size <= 65536 else np.uint32
+            self.train_tokens = self._tokens(folder / "train.npy", train_docs, dtype)
+            self.val_tokens = self._tokens(folder / "val.npy", val_docs, dtype)
+        except OSError as err:
+            raise DataError(
+                f"data.cache_dir={cache_dir}: cannot use the corpus cache {folder} ({err.strerror or err}); set "
+                "FORGE_CACHE_DIR or data.cache_dir to a writable folder"
+            ) from None
         self.folder = folder
         self.document_masking = document_masking
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from forge.data.loader import split_sample
-from forge.data.sources import DataError, dataset_documents, load_hf_dataset
+from forge.data.sources import DataError, dataset_documents, dataset_records, load_hf_dataset
 from forge.data.tokenizer import eos_id_of, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,13 +47,19 @@ class HFDatasetCorpus:
         eos_token: str | None = None,
         document_masking: bool = False,
     ):
-        self.tokenizer = load_tokenizer(tokenizer)
+        try:
+            self.tokenizer = load_tokenizer(tokenizer)
+        except (ValueError, FileNotFoundError) as err:
+            raise DataError(str(err)) from None
+        try:
+            self.eos_id = eos_id_of(self.tokenizer, eos_token)
+        except ValueError as err:
+            raise DataError(f"data.tokenizer={tokenizer!r}: {err} (data.eos_token)") from None
         if self.tokenizer.get_vocab_size() > vocab_size:
             raise DataError(
                 f"data.vocab_size={vocab_size} but tokenizer {tokenizer!r} has {self.tokenizer.get_vocab_size()} tokens"
             )
         self.vocab_size = vocab_size
-        self.eos_id = eos_id_of(self.tokenizer, eos_token)
         self.dataset = load_hf_dataset(dataset, dataset_config, split, streaming, text_field)
         self.name = dataset
         self.text_field = text_field
@@ -62,12 +68,17 @@ class HFDatasetCorpus:
         self.shuffle_buffer = shuffle_buffer
         self.val_documents = val_documents
         self.document_masking = document_masking
-        if isinstance(self.dataset, datasets.Dataset) and val_documents >= len(self.dataset):
+        if isinstance(self.dataset, datasets.Dataset):
+            records = len(self.dataset)
+        else:  # a stream has no length: one record past the validation ones shows there is training data
+            records = sum(1 for _ in dataset_records(self.dataset.take(val_documents + 1), dataset))
+        if val_documents >= records:
             raise DataError(
                 f"dataset={dataset!r} has no training documents: data.val_documents={val_documents} holds out all "
-                f"{len(self.dataset)}"
+                f"{records} records of split {split!r}; lower data.val_documents"
             )
-        val_docs = list(dataset_documents(self.dataset.take(val_documents), text_field)) if val_documents else []
+        val = self.dataset.take(val_documents)
+        val_docs = list(dataset_documents(val, text_field, dataset)) if val_documents else []
         self.val_tokens = self.encode(val_docs)
         if len(self.val_tokens) < 2:
             raise DataError(f"dataset={dataset!r}: data.val_documents={val_documents} gives no validation tokens")
@@ -90,7 +101,7 @@ class HFDatasetCorpus:
                     ds = ds.shuffle(seed=shuffle_seed, buffer_size=self.shuffle_buffer)
             else:
                 ds = ds.shuffle(seed=shuffle_seed)
-        return dataset_documents(_skip(ds, skip), self.text_field)
+        return dataset_documents(_skip(ds, skip), self.text_field, self.name)
 
     def make_loader(
         self, seq_len: int, micro_batch: int, global_batch: int, seed: int, dp_rank: int, dp_size: int

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from forge.data.shards import open_shards, read_meta
+from forge.data.shards import META, open_shards, read_meta
 from forge.data.sources import DataError
 
 
@@ -82,6 +82,11 @@ class MemmapCorpus:
         self.val_tokens = tokens.span(len(tokens) - n_val, len(tokens))
         self.tokenizer = Tokenizer.from_file(str(folder / self.meta["tokenizer"]))
         self.vocab_size = vocab_size
-        self.eos_id = int(self.meta["eos_id"])
+        self.eos_id = self.meta.get("eos_id")
+        if isinstance(self.eos_id, bool) or not isinstance(self.eos_id, int) or not 0 <= self.eos_id < vocab_size:
+            # data.document_masking would find no document boundary and silently mask nothing
+            raise DataError(
+                f"{folder / META}: eos_id={self.eos_id!r} is not a token of the vocabulary (0..{vocab_size - 1})"
+            )
         self.document_masking = document_masking
         self.folder = folder

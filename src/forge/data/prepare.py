@@ -20,10 +20,7 @@ from tqdm import tqdm
 
 from forge.data import shards, sources
 from forge.data.sources import DataError
-from forge.data.tokenizer import eos_id_of, load_tokenizer, train_bpe
-
-MIN_BPE_VOCAB = 257
-"""A byte-level BPE holds the 256 bytes and EOS before it learns any merge."""
+from forge.data.tokenizer import MIN_BPE_VOCAB, eos_id_of, load_tokenizer, train_bpe
 
 log = logging.getLogger("forge")
 
@@ -41,7 +38,7 @@ def _documents(cfg) -> tuple[Iterator[str] | None, object, dict]:
         **sources.dataset_fingerprint(ds, cfg.dataset, cfg.dataset_config, cfg.split),
         "text_field": cfg.text_field,
     }
-    return lambda: sources.dataset_documents(ds, cfg.text_field), fingerprint
+    return lambda: sources.dataset_documents(ds, cfg.text_field, cfg.dataset), fingerprint
 
 
 def _tokenizer_request(cfg) -> tuple[Tokenizer | None, dict]:

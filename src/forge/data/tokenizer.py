@@ -6,6 +6,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS = "<|endoftext|>"
+MIN_BPE_VOCAB = 257
+"""A byte-level BPE holds the 256 bytes and EOS before it learns any merge."""
 
 
 def package_dir(name: str) -> Path:

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from forge.config.errors import ConfigError
 
@@ -34,7 +34,7 @@ def check_sweep(config: DictConfig) -> None:
     from forge.parallel.env import read_dist_env
 
     world = launch_world_size(config) or read_dist_env().world_size
-    for point in sweep_points(list(config.hydra.overrides.task)):
+    for point in sweep_points(OmegaConf.to_container(config.hydra.overrides.task)):
         try:
             cfg = compose(config_name="train", overrides=point)
             fit_warmup_to_run(cfg, override_keys(point))

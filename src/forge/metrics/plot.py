@@ -5,6 +5,8 @@ A directory without its own metrics.jsonl is searched for runs below it (a Hydra
 
 import argparse
 import json
+import logging
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -13,6 +15,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
+
+log = logging.getLogger("forge")
+
+
+class MetricsFileError(ValueError):
+    """A metrics.jsonl that cannot be plotted; the message names the file and line."""
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -27,8 +35,24 @@ def find_runs(paths: list[Path]) -> list[Path]:
 
 
 def read_records(run: Path) -> list[dict]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    """The records of run/metrics.jsonl. A last line cut short (the run was killed while writing it) is skipped
+    with a warning; a bad line before it is a MetricsFileError."""
+    path = run / "metrics.jsonl"
+    lines = [(n, line) for n, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(), 1)]
+    lines = [(n, line) for n, line in lines if line.strip()]
+    records = []
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == lines[-1][0]:
+                log.warning("forge-plot: warning: %s:%d: last line cut short (%s), skipped", path, number, err.msg)
+                continue
+            raise MetricsFileError(f"{path}:{number}: not a JSON line ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise MetricsFileError(f"{path}:{number}: not a metrics record (a JSON object)")
+        records.append(record)
+    return records
 
 
 def run_label(run: Path, runs: list[Path]) -> str:
@@ -47,8 +71,8 @@ def plot_runs(runs: list[Path], out: Path, width: float = 12.0, height: float = 
     for run in runs:
         records = read_records(run)
         label = run_label(run, runs)
-        train = [r for r in records if "loss" in r]
-        evals = [r for r in records if "val_loss" in r]
+        train = [r for r in records if "loss" in r and "step" in r]
+        evals = [r for r in records if "val_loss" in r and "step" in r]
         for ax, (key, _) in zip(axes, PANELS):
             points = [(r["step"], r[key]) for r in train if r.get(key) is not None]
             if points:
@@ -78,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         parser.error(f"no metrics.jsonl at or below {', '.join(map(str, args.runs))}")
     out = args.out or (runs[0] / "metrics.png" if len(runs) == 1 else Path("forge-plot.png"))
-    plot_runs(runs, out, dpi=args.dpi)
+    try:
+        plot_runs(runs, out, dpi=args.dpi)
+    except MetricsFileError as err:
+        print(f"forge-plot: {err}", file=sys.stderr)
+        return 1
     print(f"{len(runs)} run(s) -> {out}")
     return 0
 

@@ -36,7 +36,7 @@ def fit_defaults_to_run(cfg: DictConfig) -> None:
     from forge.config.validate import fit_warmup_to_run, override_keys
     from forge.parallel.env import read_dist_env
 
-    note = fit_warmup_to_run(cfg, override_keys(list(HydraConfig.get().overrides.task)))
+    note = fit_warmup_to_run(cfg, override_keys(OmegaConf.to_container(HydraConfig.get().overrides.task)))
     if note and read_dist_env().rank == 0:
         log.warning("%s", note)
 

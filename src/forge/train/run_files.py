@@ -27,7 +27,7 @@ def save_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     for name, node in (
         ("config.yaml", cfg),
         ("hydra.yaml", hydra_cfg),
-        ("overrides.yaml", OmegaConf.create(list(hydra_cfg.hydra.overrides.task))),
+        ("overrides.yaml", OmegaConf.create(OmegaConf.to_container(hydra_cfg.hydra.overrides.task))),
     ):
         fd, tmp = temp_file(folder, prefix=f".{name}.")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
