@@ -113,13 +113,18 @@ def test_resume_refuses_another_model_data_batch_seq_len_seed_or_optimizer_namin
 
 
 def test_corrupt_or_missing_files_are_named(tmp_path):
-    Trainer(compose([*TINY, "checkpoint.interval=12"]), tmp_path / "a").fit()
+    Trainer(compose([*TINY, "checkpoint.interval=6"]), tmp_path / "a").fit()
     ckpt = tmp_path / "a/checkpoints/step-00000012"
     data = next(ckpt.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(CheckpointError, match="cannot load checkpoint") as err:
-        Trainer(compose([*TINY, f"checkpoint.resume={ckpt}"]), tmp_path / "b")
+        Trainer(compose([*TINY, "checkpoint.interval=6"]), tmp_path / "a")  # resume=auto: the latest, cut
     assert "rank 0: " in str(err.value) and "Traceback" not in str(err.value) and "\n" not in str(err.value)
+    before = tmp_path / "a/checkpoints/step-00000006"
+    assert str(err.value).endswith(
+        f"the checkpoint before it is complete and untouched: checkpoint.resume={before} resumes from it"
+    )
+    assert Trainer(compose([*TINY, f"checkpoint.resume={before}"]), tmp_path / "a").state.step == 6
     (ckpt / ".metadata").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=".metadata"):
         Trainer(compose([*TINY, f"checkpoint.resume={ckpt}"]), tmp_path / "c")

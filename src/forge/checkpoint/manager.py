@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from forge.checkpoint.compat import check_model_keys
 from forge.checkpoint.errors import CheckpointError
+from forge.checkpoint.hf_load import is_hf_folder, load_hf_into
 from forge.checkpoint.layout import (
     complete_checkpoints,
     is_complete,
@@ -72,6 +73,17 @@ def _world() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _earlier_checkpoint_hint(path: Path) -> str:
+    """After a checkpoint failed to load: where an older complete one of the same run is, if any."""
+    try:
+        earlier = [p for p in complete_checkpoints(path.parent) if step_of(p) < step_of(path)]
+    except CheckpointError:  # not a step-N folder: no neighbours to offer
+        return ""
+    if not earlier:
+        return ""
+    return f"; the checkpoint before it is complete and untouched: checkpoint.resume={earlier[-1]} resumes from it"
 
 
 def async_save_group() -> dist.ProcessGroup | None:
@@ -135,8 +147,10 @@ class Checkpointer:
         them (only what this run wrote). Call before the model is built."""
         existing = complete_checkpoints(self.root)
         own = latest_checkpoint(self.root)
-        resumes_here = self.cfg.resume == "auto" or (
-            self.cfg.resume not in ("none", "", None) and own is not None and resolve_checkpoint(self.cfg.resume) == own
+        resumes_here = self.cfg.resume == "auto" or (  # its latest or an earlier one (say, the latest is corrupt)
+            self.cfg.resume not in ("none", "", None)
+            and own is not None
+            and resolve_checkpoint(self.cfg.resume).parent.resolve() == self.root.resolve()
         )
         if not existing or resumes_here:
             return
@@ -322,7 +336,10 @@ class Checkpointer:
         model_sd, optim_sd = rename(model_sd, optim_sd, names)
         check_model_keys(path, model_sd, whole_keys=whole_model_keys(model))
         state = {"model": model_sd, "optim": optim_sd}
-        load_dcp(state, path, no_dist=not dist.is_initialized())
+        try:
+            load_dcp(state, path, no_dist=not dist.is_initialized())
+        except CheckpointError as err:
+            raise CheckpointError(f"{err}{_earlier_checkpoint_hint(path)}") from err
         model_sd, optim_sd = rename(state["model"], state["optim"], {v: k for k, v in names.items()})
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         extra = self._extra(path)
@@ -347,8 +364,10 @@ class Checkpointer:
             raise CheckpointError(f"cannot read {file}: {err}") from err
 
     def load_weights(self, source: str, model, exclude: tuple[str, ...] = ()) -> Path:
-        """Warm start: model weights only (keys starting with an `exclude` prefix keep their init)."""
-        path = resolve_checkpoint(source)
+        """Warm start: model weights only (keys starting with an `exclude` prefix keep their init), from a forge
+        checkpoint or run directory, or from a Hugging Face folder (read slice by slice, forge.checkpoint.hf_load)."""
+        hf_folder = is_hf_folder(source)
+        path = Path(source).expanduser() if hf_folder else resolve_checkpoint(source)
         model_sd = get_model_state_dict(model)
         names = whole_model_names(model, model_sd)
         model_sd, _ = rename(model_sd, None, names)
@@ -361,6 +380,9 @@ class Checkpointer:
                     f"checkpoint.load_weights_exclude has {prefix!r}, which starts no parameter name of this model "
                     f"(they start with {', '.join(tops)})"
                 )
+        if hf_folder:
+            load_hf_into(model, path, exclude)
+            return path
         check_model_keys(path, model_sd, exclude=exclude, whole_keys=whole)
         wanted = {k: v for k, v in model_sd.items() if not k.startswith(exclude)}
         state = {"model": wanted}

@@ -269,13 +269,19 @@ class CheckpointConfig:
     run_lock_timeout_s: float = 600.0
     """How long run_lock=wait waits for the run directory before giving up."""
     load_weights: Optional[str] = None
-    """Warm start: load only model weights from this checkpoint (a run directory or a checkpoint folder)."""
+    """Warm start: load only model weights from a run directory, a checkpoint folder, or a Hugging Face Llama or
+    Mixtral folder (config.json + *.safetensors; each rank reads only the slices it holds)."""
     load_weights_exclude: list[str] = field(default_factory=list)
     """Key prefixes left at their initial values in a warm start (e.g. output. for a new head)."""
     async_mode: str = "sync"
     """sync, async, or async_pinned."""
     on_save_error: str = "raise"
     """When a save fails (full disk, unwritable folder): raise (stop the run) or continue training."""
+    save_hf: bool = False
+    """At the end of the run, also write the final weights as a Hugging Face folder (config.json, model.safetensors
+    and the tokenizer) for LlamaForCausalLM / MixtralForCausalLM.from_pretrained, gathered one tensor at a time."""
+    hf_dir: str = "hf"
+    """Folder of the save_hf export, relative to the run directory unless absolute (replaced at each run's end)."""
 
 
 @dataclass

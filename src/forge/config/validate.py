@@ -396,6 +396,21 @@ def validate_checkpoint(cfg: DictConfig) -> None:
     )
     if ckpt.load_weights:
         validate_warm_start_source(str(ckpt.load_weights))
+    if ckpt.get("save_hf"):
+        validate_hf_export(cfg)
+
+
+def validate_hf_export(cfg: DictConfig) -> None:
+    """checkpoint.save_hf needs a model transformers can express: refused now, not after the run."""
+    from forge.checkpoint.errors import CheckpointError
+    from forge.checkpoint.hf import args_to_hf_config
+    from forge.train.build import model_args
+
+    _require(cfg.get("vlm") is None, "checkpoint.save_hf=true exports text decoders only, not vision-language models")
+    try:
+        args_to_hf_config(model_args(cfg))
+    except CheckpointError as err:
+        raise ConfigError(f"checkpoint.save_hf=true: {err}") from None
 
 
 def validate_warm_start_source(source: str) -> None:

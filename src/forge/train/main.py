@@ -9,8 +9,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
-from forge.checkpoint.errors import CheckpointError
-from forge.config import ConfigError, conf_dir, register_schemas
+from forge.config import ConfigError, conf_dir, register_schemas, validate
 from forge.config.help import field_help
 from forge.data.sources import DataError
 from forge.train.plan_report import take_plan_flag
@@ -63,19 +62,24 @@ def _task(cfg: DictConfig) -> None:
 
             print_plan(cfg)
             return
+        validate(cfg)  # again in the trainer; here a config error is refused before the trainer's heavy imports
         summary = run(cfg)
     except ConfigError as err:
         print(f"forge-train: invalid config: {err}", file=sys.stderr)
         remove_empty_run_dir()
         sys.exit(EXIT_CONFIG_ERROR)
-    except CheckpointError as err:
-        print(f"forge-train: {err}", file=sys.stderr)
-        sys.exit(1)
     except (DataError, InstantiationException) as err:
         cause = err.__cause__ if isinstance(err, InstantiationException) else err
         if not isinstance(cause, DataError):
             raise
         print(f"forge-train: {cause}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as err:
+        from forge.checkpoint.errors import CheckpointError  # imported late: it brings torch.distributed.checkpoint
+
+        if not isinstance(err, CheckpointError):
+            raise
+        print(f"forge-train: {err}", file=sys.stderr)
         sys.exit(1)
     if summary.get("preempted"):
         from forge.launch import requeue_via_submitit

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from forge.checkpoint import Checkpointer, CheckpointError, RunState
+from forge.checkpoint.hf_save import save_run_hf
 from forge.checkpoint.run_lock import hold_run_dir
 from forge.config import validate
 from forge.data.loader import batch_to_device, eval_batches
@@ -405,6 +406,8 @@ class Trainer:
                 f"checkpoint is {self.checkpointer.latest()}"
             )
         set_optimizer_mode(self.optimizer, "eval")  # leave the model at the weights that were evaluated and saved
+        if not self.preempted:  # checkpoint.save_hf: the final weights as a Hugging Face folder (collective)
+            save_run_hf(self.cfg.checkpoint, self.run_dir, self.model, getattr(self.corpus, "tokenizer", None))
         wall = time.perf_counter() - start
         self.metrics.close()
         summary = {
