@@ -44,7 +44,17 @@ def test_validation_refuses(name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+def test_the_plan_refuses(name):
+    from forge.train.plan_report import plan_report
+
+    overrides, world = CASES[name]
+    with pytest.raises(ConfigError, match="is not supported"):
+        plan_report(compose([*overrides, f"parallel.world_size={world}"]))
+
+
+@pytest.mark.parametrize("name", ["tp+qk_norm", "pp+tie_embeddings"])
 def test_plan_refuses_with_one_line(name, tmp_path):
+    """The command line of two of the cases (each costs a process; the plan's refusal of all is checked above)."""
     overrides, world = CASES[name]
     cmd = forge_cmd("--plan", *overrides, f"parallel.world_size={world}", f"hydra.run.dir={tmp_path}")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
