@@ -34,9 +34,13 @@ install-dev: $(VENV)/.installed-dev
 train: install
 	$(VENV)/bin/forge-train $(ARGS)
 
+# Two pytest workers (tests/conftest.py keeps each module, and the SLURM modules together, in one worker);
+# TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
+
 test: install-dev
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -21,3 +21,26 @@ def corpus():
 def forge_cmd(*args: str) -> list[str]:
     """The forge-train command line, run with this interpreter."""
     return [sys.executable, "-m", "forge.train", *args]
+
+
+SLURM_MODULES = {
+    "tests/test_readme.py",
+    "tests/launch/test_slurm.py",
+    "tests/launch/test_sbatch.py",
+    "tests/parallel/test_any_world.py",
+}
+"""Modules that use the one local SLURM cluster (the `slurm` session fixture starts and stops it): under
+pytest-xdist they run in one worker, one after another, so two never start, stop or fill the cluster at once."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs 2 workers, `--dist loadgroup`): each module stays in one worker, in
+    order (module fixtures are built once and the README's commands build on each other), and the SLURM modules
+    share one worker."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if "slurm" in item.fixturenames and module not in SLURM_MODULES:
+            raise pytest.UsageError(f"{module} uses the slurm fixture: add it to SLURM_MODULES in tests/conftest.py")
+        item.add_marker(pytest.mark.xdist_group("slurm" if module in SLURM_MODULES else module))
