@@ -13,7 +13,6 @@ from forge.config.validate import UNSUPPORTED
 from tests.conftest import ROOT, forge_cmd
 
 CASES = {  # name -> (overrides, world size)
-    "tp+qk_norm": (["parallel=tp2", "model.qk_norm=true"], 2),
     "tp+moe": (["parallel=tp2", "model=moe_tiny"], 2),
     "tp+pp": (["parallel=pp2", "parallel.tp=2"], 4),
     "fp8+tp": (["parallel=tp2", "parallel.fp8=true"], 2),
@@ -52,7 +51,7 @@ def test_the_plan_refuses(name):
         plan_report(compose([*overrides, f"parallel.world_size={world}"]))
 
 
-@pytest.mark.parametrize("name", ["tp+qk_norm", "pp+tie_embeddings"])
+@pytest.mark.parametrize("name", ["fp8+tp", "pp+tie_embeddings"])
 def test_plan_refuses_with_one_line(name, tmp_path):
     """The command line of two of the cases (each costs a process; the plan's refusal of all is checked above)."""
     overrides, world = CASES[name]

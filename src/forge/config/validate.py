@@ -169,8 +169,6 @@ def fit_warmup_to_run(cfg: DictConfig, explicit_keys: frozenset[str]) -> str | N
 
 UNSUPPORTED = (
     # (name, applies to (cfg, degrees), why and what to use instead); docs/status.md lists every name
-    ("tp+qk_norm", lambda c, d: d.tp > 1 and c.model.get("qk_norm", False),
-     "the per-head q/k norms are not split over tensor-parallel ranks yet; use model.qk_norm=false or parallel.tp=1"),
     ("tp+moe", lambda c, d: d.tp > 1 and c.model.get("moe") is not None,
      "MoE feed-forward layers are not tensor-parallel; split the experts with parallel.ep instead (parallel.tp=1)"),
     ("tp+pp", lambda c, d: d.tp > 1 and d.pp > 1, "pipeline stages are not tensor-parallel yet; use one of the two"),

@@ -24,8 +24,6 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     stays a DTensor sharded along the sequence (so the model still sees the global sequence length, which sizes
     its rotary tables); the logits come back replicated as a plain tensor (the loss needs no change).
     """
-    if model.args.qk_norm:
-        raise NotImplementedError("parallel.tp > 1 with model.qk_norm=true is not supported yet")
     root_plan = {}
     if model.tok_embeddings is not None:
         root_plan["tok_embeddings"] = RowwiseParallel(
@@ -50,6 +48,13 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
             "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
         }
+        if model.args.qk_norm:
+            # q and k are (batch, seq, local heads, head_dim): each rank norms its own heads over head_dim with the
+            # replicated weight, whose gradient (a sum over every rank's heads) is all-reduced like the other norms'
+            plan |= {
+                f"attention.{norm}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                for norm in ("q_norm", "k_norm")
+            }
         if isinstance(block.feed_forward, FeedForward):
             plan |= {
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
