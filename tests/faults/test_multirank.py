@@ -115,3 +115,29 @@ def test_random_sigkills_of_one_rank_resume_bitwise(tmp_path, reference):
         assert resumed_from(out) == step_of(last_sealed)
     print(f"survived {len(victims)} random SIGKILLs (of ranks {victims}) with an identical loss curve")
     assert losses(tmp_path) == reference
+
+
+def test_a_sigkill_during_an_async_write_leaves_the_previous_checkpoint_latest(tmp_path, reference):
+    """Rank 1 is killed while its asynchronous write of a checkpoint has not finished: that checkpoint is never
+    sealed, the one before stays `latest`, and the resumed job reproduces the uninterrupted curve."""
+    root = tmp_path / "checkpoints"
+    launcher = start(tmp_path, "checkpoint.async_mode=async")
+    killed, deadline = None, time.monotonic() + 240
+    while killed is None and launcher.poll() is None and time.monotonic() < deadline:
+        for folder in sorted(root.glob("step-*")) if root.is_dir() else []:
+            if step_of(folder) >= 4 and not (folder / "COMPLETE").exists() and not (folder / ".done-rank1").exists():
+                os.kill(worker_pid(launcher, 1), signal.SIGKILL)  # its write of `folder` is still in flight
+                killed = folder
+                break
+        time.sleep(0.002)
+    code, out = finish(launcher)
+    assert killed is not None, out[-3000:]
+    assert code != 0 and f"exitcode  : {EXIT_PEER_LOST}" in out, out[-3000:]
+    assert not (killed / "COMPLETE").exists()
+    latest = latest_checkpoint(root)
+    assert latest is not None and step_of(latest) == step_of(killed) - 2, (latest, killed)
+    assert_sealed_checkpoints_are_whole(root)
+    code, out = run_torchrun(tmp_path, "checkpoint.async_mode=async")
+    assert code == 0, out[-3000:]
+    assert resumed_from(out) == step_of(latest)
+    assert losses(tmp_path) == reference
