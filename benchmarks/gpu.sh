@@ -4,6 +4,7 @@
 #   2. the same with float8 linear layers (parallel.fp8=true, needs torchao; skipped without it)
 #   3. a small DeepSeek-V3-style MoE (conf/model/deepseek_v3_small.yaml), bf16, eager
 #   4. (CHUNKED=1) row 1 with loss=chunked_cross_entropy: the 128k-vocab logits never held at once
+#   5-8. with 2 or more GPUs: FSDP with the bf16 policy, async save on NCCL, fp8 + FSDP, a lost NCCL peer
 # First, the trainer's GPU health check (forge.resilience.health.check_device) on the GPU; CUDA or it stops.
 #
 #   make install-dev            # then a CUDA build of torch, e.g. pip install torch --index-url <CUDA wheel index>
@@ -124,6 +125,53 @@ if [ "${CHUNKED:-0}" = 1 ]; then
 fi
 if [ "$DRY_RUN" = 1 ]; then
     exit $failed
+fi
+
+# Multi-GPU checks (NCCL needs one GPU per rank; skipped with fewer than 2):
+#   5. fsdp2_bf16_policy: the 1B model, FSDP over 2 GPUs, bf16 all-gathers and fp32 reduce-scatters (the policy)
+#   6. fsdp2_async_save: the same, async checkpoint every 10 steps on its gloo group while NCCL trains; every
+#      checkpoint must be sealed
+#   7. fsdp2_fp8: float8 linears with float8 all-gathers under FSDP
+#   8. nccl_peer_lost: rank 1 is SIGKILLed mid-run; rank 0 must exit 77 naming it (NCCL async error handling)
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+torchrun2() {
+    local name=$1
+    shift
+    local args=("$@" "${COMMON[@]}" "hydra.run.dir=$OUT/$name")
+    echo "=== $name: torchrun --nproc_per_node=2 -m forge.train ${args[*]}"
+    timeout -k 10 "${RUN_TIMEOUT:-420}" "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+        -m forge.train "${args[@]}" >"$OUT/$name.log" 2>&1
+    local code=$?
+    echo "$code" >"$OUT/$name.exit"
+    echo "    exit $code (log: $OUT/$name.log)"
+    RUNS+=("$name")
+    return $code
+}
+if [ "$GPUS" -ge 2 ]; then
+    torchrun2 fsdp2_bf16_policy model=llama3_1b parallel=fsdp || failed=1
+    torchrun2 fsdp2_async_save model=llama3_1b parallel=fsdp checkpoint.async_mode=async checkpoint.interval=10 \
+        || failed=1
+    sealed=$(find "$OUT/fsdp2_async_save/checkpoints" -name COMPLETE 2>/dev/null | wc -l)
+    echo "    sealed checkpoints: $sealed (want $((STEPS / 10)))"
+    [ "$sealed" -eq $((STEPS / 10)) ] || failed=1
+    if "$PY" -c "import torchao" 2>/dev/null; then
+        torchrun2 fsdp2_fp8 model=llama3_1b parallel=fsdp parallel.fp8=true || failed=1
+    fi
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 -m forge.train model=llama3_1b parallel=fsdp \
+        "${COMMON[@]}" train.steps=1000 resilience.collective_timeout_s=60 "hydra.run.dir=$OUT/nccl_peer_lost" \
+        >"$OUT/nccl_peer_lost.log" 2>&1 &
+    launcher=$!
+    sleep 90
+    kill -9 "$(pgrep -P "$launcher" | sort -n | tail -n 1)"  # the second worker torchrun started: rank 1
+    wait "$launcher"
+    if grep -q "rank 1 did not answer a liveness check" "$OUT/nccl_peer_lost.log"; then
+        echo "=== nccl_peer_lost: rank 0 named the lost rank"
+    else
+        echo "=== nccl_peer_lost: FAILED, see $OUT/nccl_peer_lost.log"
+        failed=1
+    fi
+else
+    echo "=== multi-GPU checks (FSDP policy, async save on NCCL, fp8 + FSDP, NCCL peer lost): skipped, $GPUS GPU(s)"
 fi
 
 "$PY" - "$OUT" "${RUNS[@]}" <<'EOF'
