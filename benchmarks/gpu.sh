@@ -134,10 +134,11 @@ fi
 #   7. fsdp2_fp8: float8 linears with float8 all-gathers under FSDP
 #   8. nccl_peer_lost: rank 1 is SIGKILLed mid-run; rank 0 must exit 77 naming it (NCCL async error handling)
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+COMMON2=("${COMMON[@]/#train.global_batch_size=*/train.global_batch_size=$((2 * MICRO))}")  # MICRO per rank
 torchrun2() {
     local name=$1
     shift
-    local args=("$@" "${COMMON[@]}" "hydra.run.dir=$OUT/$name")
+    local args=("$@" "${COMMON2[@]}" "hydra.run.dir=$OUT/$name")
     echo "=== $name: torchrun --nproc_per_node=2 -m forge.train ${args[*]}"
     timeout -k 10 "${RUN_TIMEOUT:-420}" "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
         -m forge.train "${args[@]}" >"$OUT/$name.log" 2>&1
@@ -158,7 +159,7 @@ if [ "$GPUS" -ge 2 ]; then
         torchrun2 fsdp2_fp8 model=llama3_1b parallel=fsdp parallel.fp8=true || failed=1
     fi
     "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 -m forge.train model=llama3_1b parallel=fsdp \
-        "${COMMON[@]}" train.steps=1000 resilience.collective_timeout_s=60 "hydra.run.dir=$OUT/nccl_peer_lost" \
+        "${COMMON2[@]/#train.steps=*/train.steps=1000}" resilience.collective_timeout_s=60 "hydra.run.dir=$OUT/nccl_peer_lost" \
         >"$OUT/nccl_peer_lost.log" 2>&1 &
     launcher=$!
     sleep 90
