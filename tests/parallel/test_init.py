@@ -1,5 +1,5 @@
-"""Every layout starts from the very weights one process initialises from the same seed (bit for bit), filled one
-initialisation unit at a time instead of from a whole reference model on every rank."""
+"""Every layout starts from the very weights one process initialises from the same seed (bit for bit), each rank
+filling only its shards from the row blocks they overlap instead of from a whole reference model."""
 
 import hashlib
 from pathlib import Path
@@ -19,10 +19,18 @@ MOE = ["model=moe_tiny", "model.moe.num_experts=4", "model.moe.expert_ffn_dim=32
 LAYOUTS = {  # name -> (overrides, world size)
     "fsdp": (["parallel=fsdp"], 2),
     "tp2_fsdp": (["parallel=tp2_fsdp"], 4),
+    # 69 MLP rows per tp rank: FSDP's shards of TP's shards are uneven (35 and 34 rows).
+    "tp2_fsdp_uneven": (["parallel=tp2_fsdp", "model.ffn_dim=138"], 4),
     "pp2": (["parallel=pp2", "model.n_layers=4"], 2),
     "ep2_fsdp": (["parallel=ep2_fsdp", *MOE], 2),
 }
-REFERENCE = {"fsdp": [], "tp2_fsdp": [], "pp2": ["model.n_layers=4"], "ep2_fsdp": MOE}
+REFERENCE = {
+    "fsdp": [],
+    "tp2_fsdp": [],
+    "tp2_fsdp_uneven": ["model.ffn_dim=138"],
+    "pp2": ["model.n_layers=4"],
+    "ep2_fsdp": MOE,
+}
 
 
 def digest(tensor) -> tuple:

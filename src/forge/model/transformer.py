@@ -5,13 +5,13 @@ embedding, final norm and output head may be None on a stage that holds only a s
 """
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from forge.model.args import TransformerArgs
+from forge.model.init_spec import ONES, InitSpec, apply_specs, fill_piece_, prefixed, trunc_normal
 from forge.model.rope import apply_rope, rope_tables, rotate_half
 
 
@@ -82,13 +82,15 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
+    def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
+        specs = {f"{name}.weight": trunc_normal(std) for name in ("wq", "wk", "wv")}
+        specs["wo.weight"] = trunc_normal(out_std)
+        if self.q_norm is not None:
+            specs |= {"q_norm.weight": ONES, "k_norm.weight": ONES}
+        return specs
+
     def init_weights(self, std: float, out_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-        for norm in (self.q_norm, self.k_norm):
-            if norm is not None:
-                norm.reset_parameters()
+        apply_specs(self, self.init_specs(std, out_std))
 
 
 class FeedForward(nn.Module):
@@ -103,10 +105,11 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+    def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
+        return {"w1.weight": trunc_normal(std), "w3.weight": trunc_normal(std), "w2.weight": trunc_normal(out_std)}
+
     def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.w3.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        apply_specs(self, self.init_specs(std, out_std))
 
 
 class TransformerBlock(nn.Module):
@@ -137,6 +140,13 @@ class TransformerBlock(nn.Module):
         # cache and layer_id by keyword: the tensor-parallel plan lays out the four positional inputs.
         x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask, cache=cache, layer_id=self.layer_id)
         return x + self.feed_forward(self.ffn_norm(x))
+
+    def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
+        return (
+            {"attention_norm.weight": ONES, "ffn_norm.weight": ONES}
+            | prefixed("attention", self.attention.init_specs(std, out_std))
+            | prefixed("feed_forward", self.feed_forward.init_specs(std, out_std))
+        )
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.attention_norm.reset_parameters()
@@ -181,19 +191,35 @@ class Transformer(nn.Module):
             parts.append(("output", self.output))
         return parts
 
-    def init_part(self, name: str, module: nn.Module) -> None:
-        """Initialise one unit of `init_parts` in place (`module` may be a standalone copy of it)."""
+    def block_stds(self) -> tuple[float, float]:
+        """(std, out_std) of the blocks' weights; out_std, of the projections into the residual stream, shrinks
+        with depth under args.depth_init."""
         args = self.args
         std = args.init_std
-        if name == "tok_embeddings":
-            nn.init.normal_(module.weight, std=std)
-        elif name.startswith("layers."):
-            module.init_weights(std, std / math.sqrt(2 * args.n_layers) if args.depth_init else std)
-        elif name == "norm":
-            module.reset_parameters()
-        elif name == "output":
-            head_std = args.dim**-0.5
-            nn.init.trunc_normal_(module.weight, std=head_std, a=-3 * head_std, b=3 * head_std)
+        return std, std / math.sqrt(2 * args.n_layers) if args.depth_init else std
+
+    def init_specs(self) -> dict[str, InitSpec]:
+        """How each parameter this part holds starts, by plain name (and the buffers initialisation sets, such as
+        MoE router biases); see forge.model.init_spec."""
+        args = self.args
+        std, out_std = self.block_stds()
+        specs: dict[str, InitSpec] = {}
+        if self.tok_embeddings is not None:
+            specs["tok_embeddings.weight"] = InitSpec("normal", args.init_std)
+        for key, block in self.layers.items():
+            specs |= prefixed(f"layers.{key}", block.init_specs(std, out_std))
+        if self.norm is not None:
+            specs["norm.weight"] = ONES
+        if self.output is not None and not args.tie_embeddings:
+            specs["output.weight"] = trunc_normal(args.dim**-0.5)
+        return specs
+
+    def init_part(self, name: str, module: nn.Module) -> None:
+        """Initialise one unit of `init_parts` in place from the global generator."""
+        if name.startswith("layers."):
+            module.init_weights(*self.block_stds())
+        elif name in ("tok_embeddings", "norm", "output"):
+            apply_specs(module, {"weight": self.init_specs()[f"{name}.weight"]})
         else:
             raise ValueError(f"no init unit named {name!r}")
 
@@ -207,19 +233,34 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """(Re)initialise every parameter and buffer in place; call after `to_empty` from the meta device.
 
-        With `seed`, each unit draws from its own generator seeded by (seed, its plain name), so a unit gets the
-        same values whether the whole model, one pipeline stage or a copy of that unit alone is initialised (how a
-        sharded model is filled one unit at a time). Without, the units draw in turn from the global generator.
+        With `seed`, each value is a function of (seed, plain parameter name, row block) (forge.model.init_spec), so
+        a parameter gets the same values whether the whole model, one pipeline stage, an expert slice or a shard of
+        any parallel layout is filled (forge.parallel.init). Without, the units draw in turn from the global
+        generator.
         """
         self.init_buffers()
-        for name, part in self.init_parts():
-            if seed is None:
-                self.init_part(name, part)
-                continue
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(unit_seed(seed, name))
-                self.init_part(name, part)
         self.tie_weights()  # to_empty() re-created the shared matrix once per module: tie again
+        if seed is None:
+            for name, part in self.init_parts():
+                self.init_part(name, part)
+            return
+        specs = self.init_specs()
+        buffers = [(name, buf) for name, buf in self.named_buffers() if name in specs]
+        for name, tensor in [*self.named_parameters(), *buffers]:
+            if name not in specs:
+                raise KeyError(f"no init spec for parameter {name!r}")
+            fill_piece_(tensor, specs[name], seed, name, *self._whole_and_offset(name, tensor))
+
+    def _whole_and_offset(self, name: str, tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The whole parameter's shape and where `tensor` starts in it: the tensor itself, except the plain expert
+        slices of expert parallelism (GroupedExperts.keep_slice), which start at expert `first`."""
+        from forge.model.moe.experts import GroupedExperts  # the moe package imports this module
+
+        owner = self.get_submodule(name.rpartition(".")[0])
+        rest = tuple(tensor.shape[1:])
+        if isinstance(owner, GroupedExperts):
+            return (owner.num_experts, *rest), (owner.first, *(0,) * len(rest))
+        return tuple(tensor.shape), (0,) * tensor.dim()
 
     def forward(
         self,
@@ -263,8 +304,3 @@ def build_transformer(args: TransformerArgs, device: str | torch.device = "cpu",
     model.to_empty(device=device)
     model.init_weights(seed=seed)
     return model
-
-
-def unit_seed(seed: int, name: str) -> int:
-    """The seed of one initialisation unit: stable across processes and Python runs (no hash randomisation)."""
-    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63

@@ -1,13 +1,12 @@
 """Initial weights of a parallelized model, identical to a single process's with the same seed."""
 
-import copy
-
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-from forge.model.transformer import unit_seed
+from forge.model.init_spec import fill_piece_
 
 # Wrappers that the plan adds around blocks; stripped to match the plain model's names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -23,27 +22,50 @@ def plain_name(name: str) -> str:
     return name
 
 
-def materialize_sharded(model: nn.Module, plain: nn.Module, seed: int, device) -> None:
-    """Allocate `model` (parallelized, on the meta device) and fill this rank's shards with the weights one
-    process would give it from `seed`, one initialisation unit at a time.
+def local_piece(param: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and global offset of this rank's shard of `param`.
 
-    `plain` is the same model unparallelized on the meta device (it costs nothing); each of its units (embedding,
-    one block, norm, head: `init_parts`) in turn is made whole on `device`, initialised from its own seed, split
-    into the model's layouts (any mix of FSDP and TP placements) and dropped. Memory peaks at the largest unit (the
-    embedding of a large vocabulary, or one block) on top of the shards, not at the whole model; the values equal
-    one process's on the same device type. A pipeline stage fills the units it holds.
+    Every placement the plan makes (FSDP Shard(0), TP Shard(0)/Shard(1), FSDP over TP's _StridedShard(0), EP's
+    Shard(0) of the experts, Replicate) leaves each rank a contiguous rectangle of the whole, which an offset and a
+    shape describe; a Partial one would not hold values of the whole, so it is refused.
+    """
+    for placement in param.placements:
+        if not isinstance(placement, Shard | _StridedShard | Replicate):
+            raise NotImplementedError(f"cannot initialise a shard with placement {placement} in place")
+    return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+
+
+@torch.no_grad()
+def materialize_sharded(model: nn.Module, plain: nn.Module, seed: int, device) -> int:
+    """Allocate `model` (parallelized, on the meta device) and fill this rank's shards with the weights one
+    process would give it from `seed`; returns how many random numbers this rank drew.
+
+    `plain` is the whole model unparallelized on the meta device (it costs nothing); its `init_specs` say how each
+    parameter starts. Each value is a function of (seed, name, row block) only (forge.model.init_spec), so a rank
+    draws the row blocks its shard overlaps, on the CPU, and copies its columns into the local tensor: no
+    collective (it works under a fake process group), host memory of one block beyond the shards, and about this
+    rank's share of the random numbers. A pipeline stage fills the parameters it holds.
     """
     model.to_empty(device=device)
     model.tie_weights()  # to_empty re-created the shared embedding once per module
     model.init_buffers()
-    held = {name for name, _ in model.init_parts()}
-    for name, unit in plain.init_parts():
-        if name not in held:
-            continue  # another pipeline stage's
-        part = copy.deepcopy(unit).to_empty(device=device)  # on a GPU: fast, and one unit of device memory
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(unit_seed(seed, name))
-            plain.init_part(name, part)
-        state = {f"{name}.{key}": value for key, value in part.state_dict().items()}
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-        del part, state
+    specs = plain.init_specs()
+    drawn = 0
+    seen: set[int] = set()
+    named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if plain_name(n) in specs)]
+    for name, tensor in named:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        name = plain_name(name)
+        if name not in specs:
+            raise KeyError(f"no init spec for parameter {name!r}")
+        if isinstance(tensor, DTensor):
+            shape, offset = local_piece(tensor)
+            local = tensor.to_local()
+            if tuple(local.shape) != tuple(shape):
+                raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the expected {tuple(shape)}")
+            drawn += fill_piece_(local, specs[name], seed, name, tuple(tensor.shape), offset)
+        else:
+            drawn += fill_piece_(tensor, specs[name], seed, name, tuple(tensor.shape), (0,) * tensor.dim())
+    return drawn

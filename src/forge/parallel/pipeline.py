@@ -149,7 +149,7 @@ def build_pipeline(
 
 
 def materialize_stages(parts: list[nn.Module], plain: Transformer, seed: int, device) -> None:
-    """Allocate each stage and fill it unit by unit with the weights one process gives the whole model from
+    """Allocate each stage and fill the parameters it holds with the weights one process gives the whole model from
     `seed` (plain or DTensor parameters alike; see forge.parallel.init.materialize_sharded)."""
     for part in parts:
         materialize_sharded(part, plain, seed, device)

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forge.model.init_spec import InitSpec, trunc_normal
+
 WeightView = Callable[[torch.Tensor], torch.Tensor]
 """Maps a stacked expert weight to the plain tensor of this process's experts (expert parallelism passes one)."""
 
@@ -69,13 +71,17 @@ class GroupedExperts(nn.Module):
         h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
         return torch._grouped_mm(h, w2, offs=offs)
 
+    def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
+        return {"w1": trunc_normal(std), "w3": trunc_normal(std), "w2": trunc_normal(out_std)}
+
     def init_weights(self, std: float, out_std: float) -> None:
-        """Draw every global expert in order and keep the local ones, so a slice initialises like the whole."""
-        for name, s in (("w1", std), ("w3", std), ("w2", out_std)):
+        """Draw every global expert in order from the global generator and keep the local ones, so a slice
+        initialises like the whole."""
+        for name, spec in self.init_specs(std, out_std).items():
             param = getattr(self, name)
             scratch = torch.empty(param.shape[1:], device=param.device, dtype=param.dtype)
             for e in range(self.num_experts):
-                nn.init.trunc_normal_(scratch, std=s, a=-3 * s, b=3 * s)
+                spec.draw(scratch)
                 local = e - self.first
                 if 0 <= local < self.num_local:
                     with torch.no_grad():

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from forge.model.args import MoEArgs
+from forge.model.init_spec import InitSpec, prefixed
 from forge.model.moe.dispatch import Dispatch, assign, local_dispatch
 from forge.model.moe.experts import GroupedExperts
 from forge.model.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
@@ -67,6 +68,14 @@ class MoE(nn.Module):
         self.last_z_loss = router_z_loss(routing.logits)
         self.last_routed, self.last_kept = kept.routed.detach(), kept.counts.detach()
         return out.view(shape)
+
+    def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
+        specs = prefixed("router", self.router.init_specs(std)) | prefixed(
+            "experts", self.experts.init_specs(std, out_std)
+        )
+        if self.shared_experts is not None:
+            specs |= prefixed("shared_experts", self.shared_experts.init_specs(std, out_std))
+        return specs
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.router.init_weights(std)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from forge.model.init_spec import ZEROS, InitSpec, apply_specs, trunc_normal
+
 ROUTER_KINDS = ("softmax_topk", "sigmoid_topk")
 
 
@@ -59,6 +61,8 @@ class Router(nn.Module):
         weights = top / top.sum(dim=-1, keepdim=True)
         return Routing(experts=experts, weights=weights, probs=probs, logits=logits)
 
+    def init_specs(self, std: float) -> dict[str, InitSpec]:
+        return {"gate.weight": trunc_normal(std), "expert_bias": ZEROS}
+
     def init_weights(self, std: float) -> None:
-        nn.init.trunc_normal_(self.gate.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.zeros_(self.expert_bias)
+        apply_specs(self, self.init_specs(std))
