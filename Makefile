@@ -40,7 +40,7 @@ TEST_WORKERS ?= 2
 
 test: install-dev
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check src tests benchmarks

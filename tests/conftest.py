@@ -33,14 +33,24 @@ SLURM_MODULES = {
 pytest-xdist they run in one worker, one after another, so two never start, stop or fill the cluster at once."""
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`make test` runs 2 workers): each module runs in one worker, in order (module fixtures are
+    built once and the README's commands build on each other), and the SLURM modules share one worker. (xdist's
+    own `--dist loadgroup` marks do not group under pytest 9: it renames node ids, which pytest 9 ignores.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "slurm" if module in SLURM_MODULES else module
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs 2 workers, `--dist loadgroup`): each module stays in one worker, in
-    order (module fixtures are built once and the README's commands build on each other), and the SLURM modules
-    share one worker."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
+    """A module that uses the one cluster must be in SLURM_MODULES, or two workers could use it at once."""
     for item in items:
         module = item.nodeid.split("::")[0]
         if "slurm" in item.fixturenames and module not in SLURM_MODULES:
             raise pytest.UsageError(f"{module} uses the slurm fixture: add it to SLURM_MODULES in tests/conftest.py")
-        item.add_marker(pytest.mark.xdist_group("slurm" if module in SLURM_MODULES else module))

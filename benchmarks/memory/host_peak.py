@@ -37,9 +37,11 @@ def child() -> None:
     main()
 
 
-def run(ranks: int, overrides: list[str], folder: Path) -> list[int]:
+def run(ranks: int, overrides: list[str], folder: Path, mmap_threshold: int | None) -> list[int]:
     folder.mkdir(parents=True)
     env = {**os.environ, "FORGE_VMHWM_DIR": str(folder), "OMP_NUM_THREADS": "1"}
+    if mmap_threshold:  # glibc: a fixed threshold, so freed large tensors go back to the OS instead of the heap
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     me = [str(Path(__file__).resolve()), "--child"]
     cmd = [sys.executable, *me] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *me]  # fmt: skip
@@ -53,6 +55,9 @@ def main() -> None:
     parser.add_argument("--model", default="llama_125m")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--mmap-threshold", type=int, default=None, help="MALLOC_MMAP_THRESHOLD_ (bytes) for both runs; default glibc's"
+    )
     args = parser.parse_args()
     overrides = [f"model={args.model}", f"train.steps={args.steps}", "train.eval_batches=1", "train.dtype=fp32",
                  "train.eval_every=0", "metrics.console=quiet"]  # fmt: skip
@@ -60,10 +65,11 @@ def main() -> None:
         "grep -o 'avx512_bf16\\|amx_bf16' /proc/cpuinfo | sort -u", shell=True, capture_output=True, text=True
     ).stdout.split()
     with tempfile.TemporaryDirectory() as tmp:
-        one = run(1, overrides, Path(tmp) / "one")
-        many = run(args.ranks, [*overrides, "parallel=fsdp"], Path(tmp) / "many")
+        one = run(1, overrides, Path(tmp) / "one", args.mmap_threshold)
+        many = run(args.ranks, [*overrides, "parallel=fsdp"], Path(tmp) / "many", args.mmap_threshold)
     gib = 2**20
-    print(f"CPU bf16 flags: {' '.join(flags) or 'none'}; model {args.model}, global batch 8, {args.steps} steps")
+    malloc = f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else "glibc's default malloc"
+    print(f"CPU bf16 flags: {' '.join(flags) or 'none'}; model {args.model}, global batch 8, {args.steps} steps, {malloc}")
     print(f"one process: VmHWM {one[0] / gib:.2f} GiB")
     print(f"{args.ranks} FSDP ranks: VmHWM " + ", ".join(f"{k / gib:.2f}" for k in many) + " GiB")
     print(f"busiest rank / one process: {max(many) / one[0]:.2f}")

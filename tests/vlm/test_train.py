@@ -3,6 +3,7 @@ one process."""
 
 import pytest
 
+from forge.checkpoint import CheckpointError
 from forge.config import compose
 from forge.train.vlm_trainer import VLMTrainer
 from tests.parallel.harness import launch
@@ -49,8 +50,10 @@ def test_resume_across_a_freeze_change_is_bitwise_and_the_schedule_is_checked(tm
     VLMTrainer(compose(overrides), tmp_path / "cut").fit()  # resumes at step 3: decoder trained, encoder not yet
     assert losses(tmp_path / "cut") == whole["losses"]
     changed = [*overrides, "vlm.train_encoder_from_step=20"]
-    with pytest.raises(ValueError, match="vlm.train_encoder_from_step=20"):
+    with pytest.raises(CheckpointError, match=r"vlm.train_encoder_from_step=20 \(was 4\)"):  # the config check
         VLMTrainer(compose(changed), tmp_path / "cut")
+    with pytest.raises(ValueError, match="vlm.train_encoder_from_step=20"):  # and the model's own, past it
+        VLMTrainer(compose([*changed, "checkpoint.check_resume_config=false"]), tmp_path / "cut")
 
 
 @pytest.mark.slow
