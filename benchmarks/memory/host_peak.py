@@ -69,7 +69,8 @@ def main() -> None:
         many = run(args.ranks, [*overrides, "parallel=fsdp"], Path(tmp) / "many", args.mmap_threshold)
     gib = 2**20
     malloc = f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else "glibc's default malloc"
-    print(f"CPU bf16 flags: {' '.join(flags) or 'none'}; model {args.model}, global batch 8, {args.steps} steps, {malloc}")
+    cpu = " ".join(flags) or "none"
+    print(f"CPU bf16 flags: {cpu}; model {args.model}, global batch 8, {args.steps} steps, {malloc}")
     print(f"one process: VmHWM {one[0] / gib:.2f} GiB")
     print(f"{args.ranks} FSDP ranks: VmHWM " + ", ".join(f"{k / gib:.2f}" for k in many) + " GiB")
     print(f"busiest rank / one process: {max(many) / one[0]:.2f}")
