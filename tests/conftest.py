@@ -13,9 +13,10 @@ os.environ.setdefault("FORGE_CACHE_DIR", str(Path.home() / ".cache" / "forge"))
 @pytest.fixture(scope="session")
 def corpus():
     """The embedded corpus with the default 8k BPE (prepared once, cached)."""
+    from forge.config.schema import EmbeddedDataConfig, options
     from forge.data.embedded import EmbeddedCorpus
 
-    return EmbeddedCorpus("bpe8k", 8192, os.environ["FORGE_CACHE_DIR"])
+    return EmbeddedCorpus(**options(EmbeddedDataConfig, cache_dir=os.environ["FORGE_CACHE_DIR"]))
 
 
 def forge_cmd(*args: str) -> list[str]:

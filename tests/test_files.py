@@ -27,10 +27,11 @@ record_tokenizer([MediaRecord("a.png", "what shape?", "a circle")] * 4, "bpe", 3
 write_json_atomic(out / "shards" / "meta.json", {"format": 1})
 ShardWriter(out / "shards", np.dtype(np.uint16), 4).add(np.arange(4))
 if full:
+    from forge.config.schema import EmbeddedDataConfig, options
     from forge.data.embedded import EmbeddedCorpus
     from forge.model.vlm.encoder import build_tiny_encoder
 
-    EmbeddedCorpus("bpe8k", 8192, str(out / "cache"))
+    EmbeddedCorpus(**options(EmbeddedDataConfig, cache_dir=str(out / "cache")))
     build_tiny_encoder(out / "cache" / "encoder")
 print(json.dumps({str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in out.rglob("*")}))
 """

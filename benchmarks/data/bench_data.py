@@ -55,14 +55,16 @@ def bench_prepare(folder: Path) -> tuple[list[tuple[str, float, str]], Path]:
 
 
 def bench_loaders(prepared: Path) -> list[tuple[str, float, str]]:
+    from forge.config.schema import MemmapDataConfig, MixtureDataConfig, options
     from forge.data.loader import BatchLoader, TokenWindows, batch_to_device
     from forge.data.memmap import MemmapCorpus
     from forge.data.mixture import MixtureCorpus
 
     seq, micro, batches = 256, 8, 300
-    corpus = MemmapCorpus(str(prepared), 50257)
+    corpus = MemmapCorpus(**options(MemmapDataConfig, path=str(prepared), vocab_size=50257))
     windows = TokenWindows(corpus.train_tokens, seq)
-    mixture = MixtureCorpus({"a": {"path": str(prepared)}, "b": {"path": str(prepared), "weight": 1.0}}, 50257)
+    sources = {"a": {"path": str(prepared)}, "b": {"path": str(prepared), "weight": 1.0}}
+    mixture = MixtureCorpus(**options(MixtureDataConfig, sources=sources, vocab_size=50257))
     loaders = {
         "memmap BatchLoader": BatchLoader(windows, micro, seed=0),
         "memmap + document masking (dense mask)": BatchLoader(windows, micro, seed=0, document_eos=corpus.eos_id),

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import torch
 
+from forge.config.schema import CrossAttentionVLMConfig, VLMConfig, options
 from forge.model.args import TransformerArgs
 from forge.model.vlm import CrossAttentionVLM, JointDecoderVLM, MoTVLM
 from forge.model.vlm.base import VLMCache
 from forge.model.vlm.encoder import build_tiny_encoder
 
 STRATEGIES = {"joint_decoder": JointDecoderVLM, "mot": MoTVLM, "cross_attention": CrossAttentionVLM}
+SCHEMAS = {JointDecoderVLM: VLMConfig, MoTVLM: VLMConfig, CrossAttentionVLM: CrossAttentionVLMConfig}
 
 
 @torch.no_grad()
@@ -68,7 +70,7 @@ def main() -> None:
         encoder = str(build_tiny_encoder(Path(tmp) / "clip"))
         for name, cls in STRATEGIES.items():
             torch.manual_seed(0)
-            model = cls(text, encoder_path=encoder).eval()
+            model = cls(text, **options(SCHEMAS[cls], encoder_path=encoder)).eval()
             model.init_weights()
             if name == "cross_attention":  # open the gates so the clip matters
                 for block in model.cross_layers.values():

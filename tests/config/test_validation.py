@@ -98,7 +98,6 @@ CASES = [
     (["loss=chunked_cross_entropy", "loss.chunk_size=0"], 1, ["loss.chunk_size=0"]),
     (["loss=chunked_cross_entropy", "parallel=tp2"], 2, ["loss=chunked_cross_entropy", "parallel.tp=2"]),
     (["loss=z_loss", "parallel=pp2", "train.micro_batch_size=4"], 2, ["loss.z_loss_weight=0.0001", "parallel.pp=2"]),
-    (["loss=chunked_cross_entropy", "vlm=joint_decoder", "data=vqa_embedded"], 1, ["not supported with a VLM"]),
     (["train.steps=100000000"], 1, ["train.steps=100000000 is more than 99,999,999", "step-NNNNNNNN"]),
     (["train.threads=-3"], 1, ["train.threads=-3 must be >= 0"]),
     (["checkpoint.milestones=[50,500]", "train.steps=100"], 1, ["checkpoint.milestones has 500,", "train.steps=100"]),

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from forge.config.schema import EmbeddedDataConfig, options
 from forge.data.embedded import EmbeddedCorpus, read_scenes
 from forge.data.sources import DataError
 
@@ -33,4 +34,4 @@ def test_an_unusable_cache_dir_is_named_before_any_work():
     with pytest.raises(
         DataError, match="data.cache_dir=/proc/forge-cache: cannot use the corpus cache .*FORGE_CACHE_DIR"
     ):
-        EmbeddedCorpus("bpe8k", 8192, "/proc/forge-cache")
+        EmbeddedCorpus(**options(EmbeddedDataConfig, cache_dir="/proc/forge-cache"))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from forge.config import compose
+from forge.config.schema import HFDataConfig, options
 from forge.data.hf_stream import HFDatasetCorpus
 from forge.data.sources import DataError
 from forge.data.tokenizer import gpt2_tokenizer, train_bpe
@@ -28,7 +29,7 @@ def jsonl(tmp_path, scenes):
 
 def corpus(path, **kwargs) -> HFDatasetCorpus:
     kwargs = {"text_field": "story", "val_documents": 2, **kwargs}
-    return HFDatasetCorpus(str(path), vocab_size=50257, **kwargs)
+    return HFDatasetCorpus(**options(HFDataConfig, dataset=str(path), vocab_size=50257, **kwargs))
 
 
 def batches(loader, n: int) -> list[list[list[int]]]:
@@ -81,11 +82,11 @@ def test_epochs_reshuffle_and_seeds_differ(jsonl):
 
 def test_bad_input_names_the_field_file_and_setting(jsonl, tmp_path):
     with pytest.raises(DataError, match="no text field 'text'"):
-        HFDatasetCorpus(str(jsonl), vocab_size=50257)
+        HFDatasetCorpus(**options(HFDataConfig, dataset=str(jsonl), vocab_size=50257))
     with pytest.raises(DataError, match="nowhere.jsonl"):
         corpus(tmp_path / "nowhere.jsonl")
     with pytest.raises(DataError, match="data.vocab_size=512"):
-        HFDatasetCorpus(str(jsonl), vocab_size=512, text_field="story")
+        HFDatasetCorpus(**options(HFDataConfig, dataset=str(jsonl), vocab_size=512, text_field="story"))
     for streaming in (False, True):  # a stream used to be refused only at the first training batch
         with pytest.raises(DataError, match="no training documents: data.val_documents=20 holds out all 20 records"):
             corpus(jsonl, val_documents=20, streaming=streaming)

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from forge.config.schema import MemmapDataConfig, options
 from forge.data.loader import BatchLoader, TokenWindows
 from forge.data.memmap import MemmapCorpus, TokenSpan
 from forge.data.sources import DataError
@@ -24,7 +25,7 @@ def test_token_span_slices_across_arrays_like_one_array():
 def test_corpus_reads_every_shard_in_order_with_a_held_out_tail(prepared):
     meta = json.loads((prepared / "meta.json").read_text())
     whole = np.concatenate([np.load(prepared / s["file"]) for s in meta["shards"]])
-    corpus = MemmapCorpus(str(prepared), vocab_size=50257, val_fraction=0.1)
+    corpus = MemmapCorpus(**options(MemmapDataConfig, path=str(prepared), vocab_size=50257, val_fraction=0.1))
     assert len(meta["shards"]) > 3
     n_val = round(len(whole) * 0.1)
     assert np.array_equal(corpus.val_tokens[: len(corpus.val_tokens)], whole[-n_val:])
@@ -43,17 +44,17 @@ def whole_text(corpus, whole) -> str:
 
 def test_vocab_mismatch_missing_and_corrupt_shards_are_named(prepared):
     with pytest.raises(DataError, match="data.vocab_size=8192"):
-        MemmapCorpus(str(prepared), vocab_size=8192)
+        MemmapCorpus(**options(MemmapDataConfig, path=str(prepared), vocab_size=8192))
     shard = prepared / "shard_00002.npy"
     data = shard.read_bytes()
     shard.write_bytes(data[:-10])
     with pytest.raises(DataError, match="shard_00002.npy is corrupt"):
-        MemmapCorpus(str(prepared), vocab_size=50257)
+        MemmapCorpus(**options(MemmapDataConfig, path=str(prepared), vocab_size=50257))
     shard.unlink()
     with pytest.raises(DataError, match="shard_00002.npy listed in meta.json is missing"):
-        MemmapCorpus(str(prepared), vocab_size=50257)
+        MemmapCorpus(**options(MemmapDataConfig, path=str(prepared), vocab_size=50257))
     with pytest.raises(DataError, match="no meta.json"):
-        MemmapCorpus(str(prepared.parent), vocab_size=50257)
+        MemmapCorpus(**options(MemmapDataConfig, path=str(prepared.parent), vocab_size=50257))
 
 
 def test_a_shard_with_out_of_vocabulary_bytes_is_named_when_its_sample_is_read(prepared):
@@ -65,7 +66,7 @@ def test_a_shard_with_out_of_vocabulary_bytes_is_named_when_its_sample_is_read(p
     tokens = np.load(shard)
     tokens[5] = 65000  # not a GPT-2 id (uint16 still holds it)
     np.save(shard, tokens)
-    corpus = MemmapCorpus(str(prepared), vocab_size=50257)
+    corpus = MemmapCorpus(**options(MemmapDataConfig, path=str(prepared), vocab_size=50257))
     cfg = compose(["data=memmap", f"data.path={prepared}", "data.vocab_size=50257", "train.seq_len=64"])
     windows = split_windows(corpus.train_tokens, cfg, "training")
     first_of_shard_1 = len(np.load(prepared / "shard_00000.npy"))
@@ -86,4 +87,4 @@ def test_an_eos_id_outside_the_vocabulary_is_named(prepared):
         with pytest.raises(
             DataError, match=rf"{meta_file}: eos_id={eos} is not a token of the vocabulary \(0..50256\)"
         ):
-            MemmapCorpus(str(prepared), vocab_size=50257, document_masking=True)
+            MemmapCorpus(**options(MemmapDataConfig, path=str(prepared), vocab_size=50257, document_masking=True))

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from forge.config.schema import MixtureDataConfig, options
 from forge.data.loader import TokenWindows
 from forge.data.mixture import MixtureCorpus, MixtureLoader
 from forge.data.sources import DataError
@@ -97,7 +98,9 @@ def test_mixture_corpus_of_two_prepared_outputs(tmp_path, inputs):
     for name, pattern in (("plays", "a.jsonl"), ("more", "b.parquet")):
         prepare(prepare_config(inputs=[str(inputs / pattern)], out_dir=str(tmp_path / name)))
     sources = {"plays": {"path": str(tmp_path / "plays"), "weight": None}, "more": {"path": str(tmp_path / "more")}}
-    corpus = MixtureCorpus(sources, vocab_size=50257, val_fraction=0.05, document_masking=True)
+    corpus = MixtureCorpus(
+        **options(MixtureDataConfig, sources=sources, vocab_size=50257, val_fraction=0.05, document_masking=True)
+    )
     mix = corpus.make_loader(seq_len=32, micro_batch=4, global_batch=8, seed=1)
     inputs_, labels, doc_ids = mix.next_batch()
     assert inputs_.shape == labels.shape == doc_ids.shape == (4, 32)
@@ -109,4 +112,8 @@ def test_mixture_corpus_of_two_prepared_outputs(tmp_path, inputs):
         prepare_config(inputs=[str(inputs / "c*.txt")], out_dir=str(tmp_path / "bpe"), tokenizer="bpe", vocab_size=300)
     )
     with pytest.raises(DataError, match="data.sources.other: data.vocab_size=50257 but .* vocabulary of 300"):
-        MixtureCorpus({**sources, "other": {"path": str(tmp_path / "bpe")}}, vocab_size=50257)
+        MixtureCorpus(
+            **options(
+                MixtureDataConfig, sources={**sources, "other": {"path": str(tmp_path / "bpe")}}, vocab_size=50257
+            )
+        )

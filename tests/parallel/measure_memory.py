@@ -7,10 +7,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import forge.config  # noqa: F401  (before forge.parallel.degrees, which the config package imports)
+from forge.config.degrees import Degrees
 from forge.model import TransformerArgs
 from forge.model.transformer import build_transformer
-from forge.parallel.degrees import Degrees
 from forge.train.plan_report import estimate_memory
 
 

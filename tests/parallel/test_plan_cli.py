@@ -95,7 +95,7 @@ def test_plan_of_ep2_fsdp_shows_the_expert_split_and_per_rank_parameters():
 
 
 def test_checkpointing_shrinks_the_activation_estimate():
-    from forge.parallel.degrees import Degrees
+    from forge.config.degrees import Degrees
     from forge.train.build import model_args
 
     args = model_args(compose(["model=llama3_8b"]))

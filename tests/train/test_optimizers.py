@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from forge.config import compose
+from forge.config.schema import MuonOptimizerConfig, options
 from forge.model.transformer import build_transformer
 from forge.train import build
 from forge.train.optimizers.lion import Lion
@@ -184,7 +185,7 @@ def test_muon_routes_embeddings_head_and_vectors_to_adamw():
 def test_muon_sends_a_tied_head_to_adamw():
     cfg = compose([*TINY, "model.tie_embeddings=true"])
     model = build_transformer(build.model_args(cfg))
-    optimizer = muon_with_adamw(model)
+    optimizer = muon_with_adamw(model, **options(MuonOptimizerConfig))
     muon_params = {id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
     assert id(model.output.weight) not in muon_params and id(model.tok_embeddings.weight) not in muon_params
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))

@@ -7,6 +7,13 @@ import pytest
 import torch
 from transformers import AutoImageProcessor
 
+from forge.config.schema import (
+    ImageTextDataConfig,
+    PhotosEmbeddedDataConfig,
+    VideoEmbeddedDataConfig,
+    VQAEmbeddedDataConfig,
+    options,
+)
 from forge.data.tokenizer import package_dir
 from forge.data.vlm.media import MediaError, decode_frames, frame_times, load_image, video_duration
 from forge.data.vlm.sources import image_text, video_embedded, vqa_embedded
@@ -66,14 +73,24 @@ def write_records(tmp_path, n: int = 12, broken: set[int] = frozenset()) -> str:
 
 def test_bad_media_skipped_and_counted_or_an_error(tmp_path, processor):
     path = write_records(tmp_path, broken={3})
-    corpus = image_text(processor, path, vocab_size=300, cache_dir=str(tmp_path), val_fraction=0.2)
+    corpus = image_text(
+        processor, **options(ImageTextDataConfig, path=path, vocab_size=300, cache_dir=str(tmp_path), val_fraction=0.2)
+    )
     loader = corpus.make_loader(8, 5, 5, 0, 0, 1)
     for _ in range(3):
         batch = loader.next_batch()
         assert batch["pixels"].shape == (5, 1, 3, 64, 64)
     assert loader.metrics()["media_skipped"] >= 1
     strict = image_text(
-        processor, path, vocab_size=300, cache_dir=str(tmp_path), val_fraction=0.2, on_bad_media="error"
+        processor,
+        **options(
+            ImageTextDataConfig,
+            path=path,
+            vocab_size=300,
+            cache_dir=str(tmp_path),
+            val_fraction=0.2,
+            on_bad_media="error",
+        ),
     )
     with pytest.raises(MediaError, match="3.png"):
         for _ in range(3):
@@ -83,9 +100,12 @@ def test_bad_media_skipped_and_counted_or_an_error(tmp_path, processor):
 def test_record_errors_name_the_file_and_line(tmp_path, processor):
     (tmp_path / "r.jsonl").write_text('{"image": "a.png", "text": "x"}\n{"picture": "b.png"}\n')
     with pytest.raises(ValueError, match="r.jsonl:2"):
-        image_text(processor, str(tmp_path / "r.jsonl"), vocab_size=300, cache_dir=str(tmp_path))
+        image_text(
+            processor,
+            **options(ImageTextDataConfig, path=str(tmp_path / "r.jsonl"), vocab_size=300, cache_dir=str(tmp_path)),
+        )
     with pytest.raises(FileNotFoundError, match="data.path="):
-        image_text(processor, str(tmp_path / "none"), vocab_size=300)
+        image_text(processor, **options(ImageTextDataConfig, path=str(tmp_path / "none"), vocab_size=300))
 
 
 def test_imagefolder_with_metadata(tmp_path, processor):
@@ -95,7 +115,10 @@ def test_imagefolder_with_metadata(tmp_path, processor):
         shutil.copy(src / f"{i}.png", tmp_path / f"{i}.png")
         rows.append(json.dumps({"file_name": f"{i}.png", "text": f"a picture {i}"}))
     (tmp_path / "metadata.jsonl").write_text("\n".join(rows))
-    corpus = image_text(processor, str(tmp_path), vocab_size=300, cache_dir=str(tmp_path), val_fraction=0.2)
+    corpus = image_text(
+        processor,
+        **options(ImageTextDataConfig, path=str(tmp_path), vocab_size=300, cache_dir=str(tmp_path), val_fraction=0.2),
+    )
     assert len(corpus.train_records) == 5 and corpus.val_records[0].target == "a picture 5"
     direct = processor(images=[load_image(tmp_path / "0.png")], return_tensors="pt")["pixel_values"][0]
     example = corpus.example(corpus.train_records[0], 8)
@@ -103,7 +126,10 @@ def test_imagefolder_with_metadata(tmp_path, processor):
 
 
 def test_text_labels_cover_the_answer_only(processor, tmp_path):
-    corpus = vqa_embedded(processor, vocab_size=512, cache_dir=str(tmp_path), train_records=50, val_records=8)
+    corpus = vqa_embedded(
+        processor,
+        **options(VQAEmbeddedDataConfig, vocab_size=512, cache_dir=str(tmp_path), train_records=50, val_records=8),
+    )
     record = corpus.train_records[0]
     tokens, labels = corpus.text(record, 24)
     prompt = corpus.tokenizer.encode(record.prompt).ids
@@ -116,12 +142,15 @@ def test_text_labels_cover_the_answer_only(processor, tmp_path):
 def test_video_batches_resume_exactly_at_any_dp_size(processor, tmp_path):
     corpus = video_embedded(
         processor,
-        cache_dir=str(tmp_path),
-        max_frames=6,
-        min_frames=2,
-        fps=2.0,
-        clip_seconds=(1.0, 2.5),
-        stride_seconds=1.0,
+        **options(
+            VideoEmbeddedDataConfig,
+            cache_dir=str(tmp_path),
+            max_frames=6,
+            min_frames=2,
+            fps=2.0,
+            clip_seconds=(1.0, 2.5),
+            stride_seconds=1.0,
+        ),
     )
     frames = {int(corpus.example(r, 8)["frame_mask"].sum()) for r in corpus.train_records[:4]}
     assert frames == {3, 6}  # 1 s and 2.5 s clips at 2 fps: padding is exercised
@@ -147,7 +176,7 @@ def test_video_batches_resume_exactly_at_any_dp_size(processor, tmp_path):
 def test_embedded_photos_are_captioned_and_preprocessed(processor, tmp_path):
     from forge.data.vlm.sources import photos_embedded
 
-    corpus = photos_embedded(processor, cache_dir=str(tmp_path))
+    corpus = photos_embedded(processor, **options(PhotosEmbeddedDataConfig, cache_dir=str(tmp_path)))
     assert len(corpus.train_records) >= 12 and {r.target for r in corpus.val_records} == {"a motorcycle", "old coins"}
     batch = corpus.make_loader(12, 4, 4, 0, 0, 1).next_batch()
     assert batch["pixels"].shape == (4, 1, 3, 64, 64) and batch["frame_mask"].all()
@@ -173,12 +202,17 @@ def test_ranks_preprocess_only_their_own_records_and_agree_on_skips(tmp_path, pr
     """dp=2 with an unreadable record: each rank runs the image processor on its own samples only, both count the
     same skips, and the two slices together are the single-process batch."""
     path = write_records(tmp_path, n=16, broken={2, 9})
-    whole = image_text(processor, path, vocab_size=300, cache_dir=str(tmp_path), val_fraction=0.2)
+    whole = image_text(
+        processor, **options(ImageTextDataConfig, path=path, vocab_size=300, cache_dir=str(tmp_path), val_fraction=0.2)
+    )
     single = whole.make_loader(8, 4, 4, 0, 0, 1)
     ranks, counters = [], []
     for rank in range(2):
         counting = CountingProcessor(processor)
-        corpus = image_text(counting, path, vocab_size=300, cache_dir=str(tmp_path), val_fraction=0.2)
+        corpus = image_text(
+            counting,
+            **options(ImageTextDataConfig, path=path, vocab_size=300, cache_dir=str(tmp_path), val_fraction=0.2),
+        )
         ranks.append(corpus.make_loader(8, 2, 4, 0, rank, 2))
         counters.append((counting, corpus))
     first_epoch = []

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from forge.config.schema import CrossAttentionVLMConfig, MoMaVLMConfig, VLMConfig, options
 from forge.model.transformer import Transformer
 from forge.model.vlm import CrossAttentionVLM, JointDecoderVLM, MoMaVLM, MoTVLM
 from forge.model.vlm.base import VLMCache
@@ -13,9 +14,17 @@ from tests.vlm.conftest import media
 STRATEGIES = {"joint_decoder": JointDecoderVLM, "cross_attention": CrossAttentionVLM, "mot": MoTVLM, "moma": MoMaVLM}
 
 
+SCHEMAS = {
+    JointDecoderVLM: VLMConfig,
+    CrossAttentionVLM: CrossAttentionVLMConfig,
+    MoTVLM: VLMConfig,
+    MoMaVLM: MoMaVLMConfig,
+}
+
+
 def build(cls, text_args, encoder: str, seed: int = 0, **kwargs):
     torch.manual_seed(seed)
-    model = cls(text_args, encoder_path=encoder, **kwargs)
+    model = cls(text_args, **options(SCHEMAS[cls], encoder_path=encoder, **kwargs))
     model.init_weights()
     return model.eval()
 

@@ -6,12 +6,13 @@ documentation of every option (`forge-train --help` prints them).
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from forge.model.args import TransformerArgs
+from forge.train.losses import ChunkedCrossEntropyLoss, CrossEntropyLoss
 
 
 @dataclass
@@ -19,6 +20,11 @@ class ModelConfig(TransformerArgs):
     """A Llama-style decoder (dense, or MoE when `moe` is set)."""
 
     _target_: str = "forge.model.args.TransformerArgs"
+
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+ACTIVATION_CHECKPOINT_MODES = ("none", "full", "selective")
+MIXED_PRECISION_DTYPES = ("bf16", "fp32")
 
 
 @dataclass
@@ -113,6 +119,9 @@ class MuonOptimizerConfig:
 
     _target_: str = "forge.train.optimizers.muon.muon_with_adamw"
     _partial_: bool = True
+    takes_model: ClassVar[bool] = True
+    """The target is called with the model (it tells the head from hidden matrices by name); an optimizer schema
+    without this is called with param_groups(model)."""
     lr: float = 0.02
     """Peak learning rate of the Muon matrices."""
     momentum: float = 0.95
@@ -156,22 +165,18 @@ class ScheduleFreeOptimizerConfig:
 
 
 @dataclass
-class CrossEntropyLossConfig:
+class CrossEntropyLossConfig(CrossEntropyLoss):
     """Mean token cross-entropy of the logits, plus an optional z-loss."""
 
     _target_: str = "forge.train.losses.CrossEntropyLoss"
-    z_loss_weight: float = 0.0
-    """Weight of PaLM's z-loss, mean(logsumexp(logits)^2) over labelled tokens (1e-4 in PaLM; 0 = off)."""
 
 
 @dataclass
-class ChunkedCrossEntropyLossConfig(CrossEntropyLossConfig):
+class ChunkedCrossEntropyLossConfig(ChunkedCrossEntropyLoss):
     """Cross-entropy with the output head applied a chunk of tokens at a time: the (tokens x vocab) logits are
     never held at once; loss and gradients equal the plain path's."""
 
     _target_: str = "forge.train.losses.ChunkedCrossEntropyLoss"
-    chunk_size: int = 1024
-    """Tokens (over batch x sequence) per chunk of the head and loss."""
 
 
 @dataclass
@@ -202,6 +207,10 @@ class WSDScheduleConfig(DecayScheduleConfig):
     _target_: str = "forge.train.schedule.warmup_stable_decay"
     decay_fraction: float = 0.2
     """Fraction of total_steps spent decaying."""
+
+
+COMPUTE_DTYPES = ("auto", "bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -238,6 +247,10 @@ class TrainConfig:
     with native bf16 dot products, fp32 elsewhere)."""
     threads: int = 0
     """Intra-op CPU threads; 0 keeps torch's default."""
+
+
+ASYNC_MODES = ("sync", "async", "async_pinned")
+SAVE_ERROR_POLICIES = ("raise", "continue")
 
 
 @dataclass
@@ -626,3 +639,13 @@ def register_schemas() -> None:
     store = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         store.store(name=name, node=node)
+
+
+def options(schema: type, **given) -> dict:
+    """The keyword arguments a config of `schema` passes to its `_target_`: the declared defaults (interpolations
+    such as the cache folder resolved), updated with `given`. For building a component outside a composed config,
+    in a notebook or a test, without writing its defaults a second time. A default that interpolates another group
+    (a schedule's `${train.steps}`) has nothing to resolve against here: give it."""
+    node = OmegaConf.merge(OmegaConf.structured(schema), given)
+    values = OmegaConf.to_container(node, resolve=True, throw_on_missing=False)
+    return {key: value for key, value in values.items() if not key.startswith("_") and value != MISSING}

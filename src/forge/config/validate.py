@@ -2,32 +2,41 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from forge.config.degrees import Degrees, resolve_degrees
 from forge.config.errors import ConfigError
 from forge.config.interpolations import validate_interpolations
+from forge.config.schema import (
+    ACTIVATION_CHECKPOINT_MODES,
+    ASYNC_MODES,
+    COMPUTE_DTYPES,
+    DEVICES,
+    MIXED_PRECISION_DTYPES,
+    PP_SCHEDULES,
+    SAVE_ERROR_POLICIES,
+    EmbeddedDataConfig,
+    MemmapDataConfig,
+    VLMDataConfig,
+)
+from forge.data.vlm.dataset import BAD_MEDIA_POLICIES
+from forge.model.moe.layer import AUX_LOSS_SCOPES
+from forge.model.moe.router import ROUTER_KINDS
+from forge.model.vlm.connector import CONNECTORS, POOLING_CONNECTORS
 from forge.parallel.env import read_dist_env
-
-if TYPE_CHECKING:
-    from forge.parallel.degrees import Degrees
-
-DTYPES = ("auto", "bf16", "fp32")
-DEVICES = ("auto", "cpu", "cuda")
-ACTIVATION_CHECKPOINT = ("none", "full", "selective")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-ROUTERS = ("softmax_topk", "sigmoid_topk")
-AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global_batch")
-ASYNC_MODES = ("sync", "async", "async_pinned")
-MEMMAP_TARGET = "forge.data.memmap.MemmapCorpus"
-EMBEDDED_TARGET = "forge.data.embedded.EmbeddedCorpus"
+from forge.resilience.preemption import CATCHABLE_SIGNALS
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def composed_from(node: DictConfig, schema: type) -> bool:
+    """Whether a config node is `schema` or a schema extending it: what it is, whatever its `_target_` says."""
+    kind = OmegaConf.get_type(node)
+    return isinstance(kind, type) and issubclass(kind, schema)
 
 
 def _one_of(key: str, value, allowed: tuple) -> None:
@@ -81,7 +90,7 @@ def validate_model(model: DictConfig) -> None:
     _require(kv > 0 and heads % kv == 0, f"model.n_heads={heads} is not divisible by model.n_kv_heads={kv}")
     moe = model.get("moe")
     if moe is not None:
-        _one_of("model.moe.router", moe.router, ROUTERS)
+        _one_of("model.moe.router", moe.router, ROUTER_KINDS)
         _require(moe.num_experts > 0, f"model.moe.num_experts={moe.num_experts} must be positive")
         _require(
             0 < moe.top_k <= moe.num_experts,
@@ -96,7 +105,7 @@ def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
     from forge.checkpoint.layout import MAX_STEP
 
     train = cfg.train
-    _one_of("train.dtype", train.dtype, DTYPES)
+    _one_of("train.dtype", train.dtype, COMPUTE_DTYPES)
     _one_of("train.device", train.device, DEVICES)
     if train.device == "cuda":
         _require(torch.cuda.is_available(), "train.device=cuda but no CUDA device is available")
@@ -211,11 +220,11 @@ def validate_world_size(parallel: DictConfig) -> None:
 
 def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
     parallel, model = cfg.parallel, cfg.model
-    _one_of("parallel.activation_checkpoint", parallel.activation_checkpoint, ACTIVATION_CHECKPOINT)
+    _one_of("parallel.activation_checkpoint", parallel.activation_checkpoint, ACTIVATION_CHECKPOINT_MODES)
     _one_of("parallel.pp_schedule", parallel.pp_schedule, PP_SCHEDULES)
     if parallel.get("param_dtype") is not None:
-        _one_of("parallel.param_dtype", parallel.param_dtype, ("bf16", "fp32"))
-    _one_of("parallel.reduce_dtype", parallel.get("reduce_dtype", "fp32"), ("bf16", "fp32"))
+        _one_of("parallel.param_dtype", parallel.param_dtype, MIXED_PRECISION_DTYPES)
+    _one_of("parallel.reduce_dtype", parallel.get("reduce_dtype", "fp32"), MIXED_PRECISION_DTYPES)
     kv = model.n_kv_heads or model.n_heads
     _require(
         model.n_heads % degrees.tp == 0 and kv % degrees.tp == 0,
@@ -285,7 +294,7 @@ def fill_vocab_from_data_meta(data: DictConfig) -> None:
     import json
     from pathlib import Path
 
-    if data.get("_target_") != MEMMAP_TARGET or "path" not in data or not OmegaConf.is_missing(data, "vocab_size"):
+    if not composed_from(data, MemmapDataConfig) or "path" not in data or not OmegaConf.is_missing(data, "vocab_size"):
         return  # a key holding ??? is not `in` a DictConfig: path is set here
     meta = Path(str(data.path)).expanduser() / "meta.json"
     try:
@@ -318,7 +327,7 @@ def validate_data(data: DictConfig) -> None:
             f"data.vocab_size={vocab} is too small for the byte-level BPE of data.tokenizer={tokenizer}: at least "
             f"{MIN_BPE_VOCAB} (the 256 bytes and EOS)",
         )
-    if tokenizer == "gpt2" and data.get("_target_") == EMBEDDED_TARGET:
+    if tokenizer == "gpt2" and composed_from(data, EmbeddedDataConfig):
         _require(vocab == GPT2_VOCAB, f"data.vocab_size={vocab} but data.tokenizer=gpt2 has {GPT2_VOCAB} tokens")
 
 
@@ -327,7 +336,7 @@ def validate_required(cfg: DictConfig, prefix: str = "") -> None:
     `prefix` names the node `cfg` is (e.g. "data." for a data config on its own)."""
     missing = sorted(_missing(OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False), prefix))
     data = cfg if prefix == "data." else cfg.get("data")
-    memmap = data is not None and data.get("_target_") == MEMMAP_TARGET
+    memmap = data is not None and composed_from(data, MemmapDataConfig)
     hints = {"data.path": "the folder forge-prepare-data wrote"} if memmap else {}
     hints["data.vocab_size"] = "the tokenizer's vocabulary size"
     _require(
@@ -380,7 +389,7 @@ def validate_checkpoint(cfg: DictConfig) -> None:
 
     ckpt = cfg.checkpoint
     _one_of("checkpoint.async_mode", ckpt.async_mode, ASYNC_MODES)
-    _one_of("checkpoint.on_save_error", ckpt.on_save_error, ("raise", "continue"))
+    _one_of("checkpoint.on_save_error", ckpt.on_save_error, SAVE_ERROR_POLICIES)
     _one_of("checkpoint.run_lock", ckpt.run_lock, RUN_LOCK_MODES)
     _require(ckpt.run_lock_timeout_s >= 0, f"checkpoint.run_lock_timeout_s={ckpt.run_lock_timeout_s} must be >= 0")
     _require(ckpt.interval >= 0, f"checkpoint.interval={ckpt.interval} must be >= 0")
@@ -429,7 +438,7 @@ def validate_resilience(cfg: DictConfig) -> None:
     res = cfg.resilience
     _one_of("resilience.nonfinite_policy", res.nonfinite_policy, POLICIES)
     for name in res.preemption_signals:
-        _require(name in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"), f"resilience.preemption_signals has {name!r}")
+        _require(name in CATCHABLE_SIGNALS, f"resilience.preemption_signals has {name!r}")
     if res.nonfinite_policy == "rollback":
         _require(
             cfg.checkpoint.interval > 0,
@@ -448,13 +457,10 @@ def validate_fault_injection(cfg: DictConfig, world_size: int) -> None:
     )
 
 
-VLM_DATA_PREFIX = "forge.data.vlm."
-
-
 def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
     """A VLM needs image/video data and vice versa; VLMs run data-parallel (FSDP) only."""
     vlm = cfg.get("vlm")
-    media_data = str(cfg.data.get("_target_", "")).startswith(VLM_DATA_PREFIX)
+    media_data = composed_from(cfg.data, VLMDataConfig)
     if vlm is None:
         _require(
             not media_data,
@@ -468,11 +474,11 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
         _require(value == 1, f"parallel.{name}={value} is not supported with a VLM (data parallelism and FSDP only)")
     for key in ("compile", "fp8"):
         _require(not cfg.parallel[key], f"parallel.{key}=true is not supported with a VLM yet")
-    _one_of("vlm.connector", vlm.connector, ("linear", "mlp", "avgpool", "attnpool"))
-    if vlm.connector in ("avgpool", "attnpool"):
+    _one_of("vlm.connector", vlm.connector, CONNECTORS)
+    if vlm.connector in POOLING_CONNECTORS:
         tokens = vlm.connector_tokens
         _require(tokens is not None and tokens >= 1, f"vlm.connector={vlm.connector} needs vlm.connector_tokens >= 1")
-    _one_of("data.on_bad_media", cfg.data.on_bad_media, ("skip", "error"))
+    _one_of("data.on_bad_media", cfg.data.on_bad_media, BAD_MEDIA_POLICIES)
     _require(
         cfg.data.max_frames >= cfg.data.min_frames >= 1,
         f"data.max_frames={cfg.data.max_frames} >= data.min_frames={cfg.data.min_frames} >= 1 must hold",
@@ -480,7 +486,7 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
 
 
 def validate_loss(cfg: DictConfig, degrees: Degrees) -> None:
-    """Only the text trainer without pipeline stages runs conf/loss; chunking also needs an unsplit head."""
+    """Pipeline stages compute plain cross-entropy (the schedule's loss); chunking also needs an unsplit head."""
     loss = cfg.get("loss")
     if loss is None:
         return
@@ -491,17 +497,12 @@ def validate_loss(cfg: DictConfig, degrees: Degrees) -> None:
         return
     what = "loss=chunked_cross_entropy" if chunked else f"loss.z_loss_weight={loss.z_loss_weight}"
     _require(degrees.pp == 1, f"{what} is not supported with parallel.pp={degrees.pp} (the stages use plain CE)")
-    _require(cfg.get("vlm") is None, f"{what} is not supported with a VLM (vlm is set)")
     if chunked:
         _require(degrees.tp == 1, f"{what} is not supported with parallel.tp={degrees.tp} (the head is split)")
 
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     """Check every rule; return the resolved parallel degrees. Raises ConfigError naming the keys."""
-    # Imported here: forge.parallel.degrees imports forge.config (for ConfigError), so a module-level import would
-    # make `import forge.parallel.plan` before `import forge.config` a circular import.
-    from forge.parallel.degrees import resolve_degrees
-
     validate_top_level(cfg)
     for group in cfg:
         if isinstance(cfg._get_node(group), DictConfig) and cfg[group] is not None:

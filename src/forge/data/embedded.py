@@ -14,6 +14,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from forge.data.sources import DataError
+from forge.data.token_corpus import TokenCorpus
 from forge.data.tokenizer import EOS, gpt2_tokenizer, package_dir, train_bpe
 from forge.files import temp_file
 
@@ -51,12 +52,10 @@ def _encode(tokenizer: Tokenizer, docs: list[str], eos_id: int, dtype) -> np.nda
     return np.asarray(ids, dtype=dtype)
 
 
-class EmbeddedCorpus:
+class EmbeddedCorpus(TokenCorpus):
     """Train and validation token arrays of the embedded corpus, plus its tokenizer."""
 
-    def __init__(
-        self, tokenizer: str, vocab_size: int, cache_dir: str, val_every: int = 20, document_masking: bool = False
-    ):
+    def __init__(self, tokenizer: str, vocab_size: int, cache_dir: str, val_every: int, document_masking: bool):
         if tokenizer not in ("bpe8k", "gpt2"):
             raise DataError(f"data.tokenizer={tokenizer!r} is not one of bpe8k, gpt2")
         scenes = read_scenes()

@@ -21,6 +21,7 @@ import torch
 
 from forge.data.loader import split_sample
 from forge.data.sources import DataError, dataset_documents, dataset_records, load_hf_dataset
+from forge.data.token_corpus import TokenCorpus
 from forge.data.tokenizer import eos_id_of, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -29,23 +30,23 @@ TOKENIZE_CHUNK = 64
 """Documents tokenised per call of the (multi-threaded) Rust tokenizer."""
 
 
-class HFDatasetCorpus:
+class HFDatasetCorpus(TokenCorpus):
     """A `datasets` split as a corpus: validation tokens up front, a resumable packing loader for training."""
 
     def __init__(
         self,
         dataset: str,
         vocab_size: int,
-        tokenizer: str = "gpt2",
-        dataset_config: str | None = None,
-        split: str = "train",
-        text_field: str = "text",
-        streaming: bool = False,
-        shuffle: bool = True,
-        shuffle_buffer: int = 10_000,
-        val_documents: int = 16,
-        eos_token: str | None = None,
-        document_masking: bool = False,
+        tokenizer: str,
+        dataset_config: str | None,
+        split: str,
+        text_field: str,
+        streaming: bool,
+        shuffle: bool,
+        shuffle_buffer: int,
+        val_documents: int,
+        eos_token: str | None,
+        document_masking: bool,
     ):
         try:
             self.tokenizer = load_tokenizer(tokenizer)
@@ -106,8 +107,7 @@ class HFDatasetCorpus:
     def make_loader(
         self, seq_len: int, micro_batch: int, global_batch: int, seed: int, dp_rank: int, dp_size: int
     ) -> "PackingLoader":
-        eos = self.eos_id if self.document_masking else None
-        return PackingLoader(self, seq_len, micro_batch, seed, dp_rank, dp_size, eos)
+        return PackingLoader(self, seq_len, micro_batch, seed, dp_rank, dp_size, self.document_eos)
 
 
 def _skip(ds, n: int):

@@ -7,6 +7,7 @@ from tokenizers import Tokenizer
 
 from forge.data.shards import META, open_shards, read_meta
 from forge.data.sources import DataError
+from forge.data.token_corpus import TokenCorpus
 
 
 class TokenSpan:
@@ -58,16 +59,16 @@ class TokenSpan:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-class MemmapCorpus:
+class MemmapCorpus(TokenCorpus):
     """Train and validation tokens of a prepared output; the last `val_fraction` of its tokens is validation."""
 
     def __init__(
         self,
         path: str,
         vocab_size: int,
-        val_fraction: float = 0.01,
-        document_masking: bool = False,
-        verify_checksums: bool = False,
+        val_fraction: float,
+        document_masking: bool,
+        verify_checksums: bool,
     ):
         folder = Path(path).expanduser()
         if not 0 < val_fraction < 1:
@@ -90,3 +91,4 @@ class MemmapCorpus:
             )
         self.document_masking = document_masking
         self.folder = folder
+        self.path, self.val_fraction = path, val_fraction

@@ -16,6 +16,7 @@ from forge.data.loader import TokenWindows, split_sample
 from forge.data.memmap import MemmapCorpus, TokenSpan
 from forge.data.order import EpochOrder
 from forge.data.sources import DataError
+from forge.data.token_corpus import TokenCorpus
 
 BLOCK = 4096
 
@@ -135,17 +136,17 @@ class MixtureLoader:
         self.seen = {n: int(v) for n, v in state["seen"].items()}
 
 
-class MixtureCorpus:
+class MixtureCorpus(TokenCorpus):
     """Several prepared outputs (same tokenizer) mixed by weight; validation is all sources' held-out tails."""
 
     def __init__(
         self,
         sources: dict,
         vocab_size: int,
-        temperature: float = 1.0,
-        phases: list | None = None,
-        val_fraction: float = 0.01,
-        document_masking: bool = False,
+        temperature: float,
+        phases: list | None,
+        val_fraction: float,
+        document_masking: bool,
     ):
         if not sources:
             raise DataError("data.sources is empty")
@@ -166,11 +167,14 @@ class MixtureCorpus:
         self.val_tokens = TokenSpan([v for c in self.corpora.values() for v in c.val_tokens.pieces()])
         self.tokenizer, self.eos_id, self.vocab_size = first.tokenizer, first.eos_id, vocab_size
         self.document_masking = document_masking
+        self.val_fraction = val_fraction
 
     @staticmethod
     def _open(name: str, source, vocab_size: int, val_fraction: float) -> MemmapCorpus:
         try:
-            return MemmapCorpus(source["path"], vocab_size, val_fraction)
+            return MemmapCorpus(
+                source["path"], vocab_size, val_fraction, document_masking=False, verify_checksums=False
+            )
         except DataError as err:
             raise DataError(f"data.sources.{name}: {err}") from None
 
@@ -188,5 +192,5 @@ class MixtureCorpus:
             dp_size,
             self.temperature,
             self.phases,
-            self.eos_id if self.document_masking else None,
+            self.document_eos,
         )

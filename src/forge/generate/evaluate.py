@@ -26,7 +26,7 @@ from forge.generate.cli import parse
 from forge.generate.load import build_corpus, load
 from forge.train.build import resolve_device
 from forge.train.precision import resolve_dtype
-from forge.train.trainer import evaluate
+from forge.train.steps.text import evaluate
 
 
 @dataclass
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         fill_vocab_from_data_meta(data)
         validate_required(data, "data.")
         corpus = build_corpus(data)
-        document_eos = corpus.eos_id if data.get("document_masking", False) else None  # as build.document_eos
-        loss = held_out_loss(loaded.model, corpus, seq_len, micro_batch, count, device, dtype, document_eos)
+        eos = getattr(corpus, "document_eos", None)
+        loss = held_out_loss(loaded.model, corpus, seq_len, micro_batch, count, device, dtype, eos)
     except (CheckpointError, ConfigError, FileNotFoundError, ValueError, HydraException) as err:
         # HydraException: a bad data=NAME or data_overrides entry, or a data error raised while instantiating
         print(f"forge-eval: {err}", file=sys.stderr)

@@ -10,8 +10,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from forge.config.degrees import resolve_degrees
 from forge.config.errors import ConfigError
-from forge.parallel.degrees import resolve_degrees
 
 EXIT_CONFIG_ERROR = 2
 

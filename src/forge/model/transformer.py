@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge.model.args import TransformerArgs
+from forge.model.feed_forward import FeedForward
 from forge.model.init_spec import ONES, InitSpec, apply_specs, fill_piece_, prefixed, trunc_normal
+from forge.model.moe import MoE
+from forge.model.moe.experts import GroupedExperts
 from forge.model.rope import apply_rope, rope_tables, rotate_half
 
 
@@ -93,25 +96,6 @@ class Attention(nn.Module):
         apply_specs(self, self.init_specs(std, out_std))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
-        return {"w1.weight": trunc_normal(std), "w3.weight": trunc_normal(std), "w2.weight": trunc_normal(out_std)}
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        apply_specs(self, self.init_specs(std, out_std))
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -123,8 +107,6 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         moe = args.moe
         if moe is not None and (layer_id + 1) % moe.every == 0:
-            from forge.model.moe import MoE
-
             self.feed_forward: nn.Module = MoE(args.dim, moe.expert_ffn_dim or args.hidden_dim, moe)
         else:
             self.feed_forward = FeedForward(args.dim, args.hidden_dim)
@@ -254,8 +236,6 @@ class Transformer(nn.Module):
     def _whole_and_offset(self, name: str, tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The whole parameter's shape and where `tensor` starts in it: the tensor itself, except the plain expert
         slices of expert parallelism (GroupedExperts.keep_slice), which start at expert `first`."""
-        from forge.model.moe.experts import GroupedExperts  # the moe package imports this module
-
         owner = self.get_submodule(name.rpartition(".")[0])
         rest = tuple(tensor.shape[1:])
         if isinstance(owner, GroupedExperts):

@@ -1,1 +1,1 @@
-"""Parallelism: environment, degrees, device mesh and the ordered parallel plan."""
+"""Parallelism: environment, device mesh and the ordered parallel plan."""

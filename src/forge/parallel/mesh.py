@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from forge.parallel.degrees import Degrees
+from forge.config.degrees import Degrees
 
 # Outer to inner: pipeline stages talk least, tensor-parallel ranks most (so tp stays inside a node). With expert
 # parallelism dp_shard is split into (dp_shard_mod_ep, ep): ep borrows the inner FSDP ranks, as in torchtitan.

@@ -11,9 +11,8 @@ labels. The schedules split the batch into `parallel.microbatches` chunks and av
 """
 
 import copy
-import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,13 +20,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from forge.config.degrees import Degrees
+from forge.config.schema import PP_SCHEDULES
 from forge.model.transformer import Transformer
-from forge.parallel.degrees import Degrees
+from forge.parallel.applied import Applied, logged
 from forge.parallel.init import materialize_sharded
 
-log = logging.getLogger("forge")
-
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = dict(zip(PP_SCHEDULES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B), strict=True))
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -70,6 +69,8 @@ class Pipeline:
     size: int
     """Pipeline ranks (pp degree)."""
     microbatches: int
+    applied: list[Applied] = field(default_factory=list)
+    """What the plan applied on this rank, in order: each stage's split and then its own plan, then the schedule."""
 
     @property
     def model(self) -> nn.Module:
@@ -120,11 +121,12 @@ def build_pipeline(
     parallel_cfg,
     device: torch.device,
     loss_fn: Callable,
-    parallelize: Callable,
+    parallelize: Callable[[nn.Module], list[Applied] | None],
     seed: int,
 ) -> Pipeline:
     """Split `model` (meta device) into this rank's stages, apply `parallelize` to each, materialise them with the
-    weights one process would give the whole model from `seed`, and build the schedule."""
+    weights one process would give the whole model from `seed`, and build the schedule. The pipeline's `applied`
+    lists the splits, what `parallelize` returned for each stage, and the schedule."""
     if degrees.tp > 1:
         raise NotImplementedError("parallel.pp > 1 with parallel.tp > 1 is not supported yet")
     pp_mesh = mesh["pp"]
@@ -133,9 +135,11 @@ def build_pipeline(
     n_stages = pp * per_rank
     stage_ids = [pp_rank + k * pp for k in range(per_rank)]
     parts = [build_stage_module(model, s, n_stages) for s in stage_ids]
+    applied = []
     for s, part in zip(stage_ids, parts):
-        log.info("pipeline stage %d/%d on pp rank %d: blocks %s", s, n_stages, pp_rank, ",".join(part.layers.keys()))
-        parallelize(part)
+        detail = f"pipeline stage {s}/{n_stages} on pp rank {pp_rank}: blocks {','.join(part.layers.keys())}"
+        applied.append(logged(Applied("pp", detail, {"pp": pp})))
+        applied += parallelize(part) or []
     materialize_stages(parts, model, seed, device)
     group = pp_mesh.get_group()
     stages = [PipelineStage(p, s, n_stages, device, group=group) for s, p in zip(stage_ids, parts)]
@@ -144,8 +148,9 @@ def build_pipeline(
     schedule = cls(
         stages if per_rank > 1 else stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
     )
-    log.info("pipeline: %d stages on %d ranks, %s schedule, %d microbatches", n_stages, pp, cls.__name__, microbatches)
-    return Pipeline(parts, schedule, group, 0 in stage_ids, n_stages - 1 in stage_ids, pp, microbatches)
+    detail = f"pipeline: {n_stages} stages on {pp} ranks, {cls.__name__} schedule, {microbatches} microbatches"
+    applied.append(logged(Applied("pp", detail, {"pp": pp})))
+    return Pipeline(parts, schedule, group, 0 in stage_ids, n_stages - 1 in stage_ids, pp, microbatches, applied)
 
 
 def materialize_stages(parts: list[nn.Module], plain: Transformer, seed: int, device) -> None:

@@ -1,14 +1,13 @@
 """The parallel plan: one function applies every transform to the meta-device model, in this order.
 
 tensor parallel -> expert parallel -> global-batch router loads -> float8 -> activation checkpointing
--> per-block compile -> FSDP2.
+-> per-block compile -> FSDP2. It returns what it applied, one record (forge.parallel.applied) per transform.
 
 TP must come first because FSDP shards the DTensors TP produced (2-D parameters); checkpointing and compile
 wrap whole blocks, and FSDP wraps last so its hooks run outside the checkpointed and compiled regions.
 """
 
 import functools
-import logging
 
 import torch
 from torch import nn
@@ -17,13 +16,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from forge.config.degrees import Degrees
+from forge.config.schema import ACTIVATION_CHECKPOINT_MODES
 from forge.model.moe import moe_layers
-from forge.parallel.degrees import Degrees
+from forge.parallel.applied import Applied, logged
 from forge.parallel.expert import shard_experts, sum_load_over
 from forge.parallel.mesh import dp_mesh, expert_fsdp_mesh, has_dp_shard, submesh
 from forge.parallel.tensor_parallel import apply_tensor_parallel
-
-log = logging.getLogger("forge")
 
 # Selective checkpointing keeps these ops' outputs and recomputes the cheap rest (norms, activations, rope).
 SAVE_OPS = {
@@ -42,58 +41,60 @@ def parallelize(
     parallel_cfg,
     device: torch.device,
     compute_dtype: str = "fp32",
-):
+) -> list[Applied]:
     """Apply the plan of `parallel_cfg` to `model` (on the meta device) in place; mesh is None for one process.
     `compute_dtype` (bf16 or fp32, the resolved train.dtype) is what FSDP gathers parameters in by default.
+    Returns what was applied, in order (empty when nothing was).
 
     With parallel.pp > 1, `model` is one pipeline stage: forge.parallel.pipeline.build_pipeline splits the whole
     model first and calls this on each stage.
     """
+    applied: list[Applied | None] = []
     if degrees.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        applied.append(apply_tensor_parallel(model, mesh["tp"]))
     if degrees.ep > 1:
-        apply_expert_parallel(model, mesh, degrees)
-    apply_global_router_loads(model, mesh)
+        applied.append(apply_expert_parallel(model, mesh, degrees))
+    applied.append(apply_global_router_loads(model, mesh))
     if parallel_cfg.fp8:
-        apply_float8(model, degrees)
+        applied.append(apply_float8(model, degrees))
     if parallel_cfg.activation_checkpoint != "none":
-        apply_activation_checkpointing(model, parallel_cfg.activation_checkpoint)
+        applied.append(apply_activation_checkpointing(model, parallel_cfg.activation_checkpoint))
     if parallel_cfg.compile:
-        apply_compile(model)
+        applied.append(apply_compile(model))
     shard_mesh = fsdp_mesh(mesh)
     if shard_mesh is not None:
         policy = mixed_precision_policy(parallel_cfg, compute_dtype)
-        apply_fsdp(model, shard_mesh, expert_fsdp_mesh(mesh) if degrees.ep > 1 else None, policy)
-    return model
+        applied += apply_fsdp(model, shard_mesh, expert_fsdp_mesh(mesh) if degrees.ep > 1 else None, policy)
+    return [step for step in applied if step is not None]
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, degrees: Degrees) -> None:
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, degrees: Degrees) -> Applied:
     """Split every MoE layer's experts over the `ep` mesh dimension (borrowed from dp_shard, as in torchtitan),
     tokens moving to their experts and back by all-to-all. Router, attention and shared experts stay dense."""
     layers = shard_experts(model, mesh["ep"])
     if not layers:
         raise ValueError(f"parallel.ep={degrees.ep} but the model has no MoE layer")
     num_experts = moe_layers(model)[0][1].args.num_experts
-    log.info(
-        "expert parallel over %d ranks (ep borrows from dp_shard=%d): %d MoE layers, %d of %d experts per rank",
-        degrees.ep,
-        degrees.dp_shard,
-        layers,
-        num_experts // degrees.ep,
-        num_experts,
+    detail = (
+        f"expert parallel over {degrees.ep} ranks (ep borrows from dp_shard={degrees.dp_shard}): {layers} MoE "
+        f"layers, {num_experts // degrees.ep} of {num_experts} experts per rank"
     )
+    return logged(Applied("ep", detail, {"ep": degrees.ep}))
 
 
-def apply_global_router_loads(model: nn.Module, mesh: DeviceMesh | None) -> None:
-    """MoE layers with aux_loss_scope=global_batch balance the expert loads summed over the data-parallel ranks."""
+def apply_global_router_loads(model: nn.Module, mesh: DeviceMesh | None) -> Applied | None:
+    """MoE layers with aux_loss_scope=global_batch balance the expert loads summed over the data-parallel ranks
+    (None when no layer does, or there is one dp rank)."""
     dp = dp_mesh(mesh)
     if dp is None or dp.size() == 1:
-        return
-    if layers := sum_load_over(dp.get_group(), model):
-        log.info("global-batch load balancing: %d MoE layers sum expert loads over %d dp ranks", layers, dp.size())
+        return None
+    if not (layers := sum_load_over(dp.get_group(), model)):
+        return None
+    detail = f"global-batch load balancing: {layers} MoE layers sum expert loads over {dp.size()} dp ranks"
+    return logged(Applied("router_loads", detail, mesh_dims(dp)))
 
 
-def apply_float8(model: nn.Module, degrees: Degrees) -> None:
+def apply_float8(model: nn.Module, degrees: Degrees) -> Applied:
     """Swap the blocks' nn.Linear layers for torchao's Float8Linear (the output head stays in high precision)."""
     if degrees.tp > 1:
         raise NotImplementedError("parallel.fp8=true with parallel.tp > 1 needs float8 TP styles (not implemented)")
@@ -106,7 +107,8 @@ def apply_float8(model: nn.Module, degrees: Degrees) -> None:
         config=Float8LinearConfig(enable_fsdp_float8_all_gather=degrees.dp_shard > 1),
         module_filter_fn=float8_filter,
     )
-    log.info("float8 training of the blocks' linear layers (torchao; MoE routers and odd shapes stay high precision)")
+    detail = "float8 training of the blocks' linear layers (torchao; MoE routers and odd shapes stay high precision)"
+    return logged(Applied("fp8", detail))
 
 
 def float8_filter(module: nn.Module, fqn: str) -> bool:
@@ -128,13 +130,13 @@ def float8_all_gather_enabled(model: nn.Module) -> bool:
     return False
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> Applied:
     """Wrap every block: `full` recomputes the whole block in backward, `selective` keeps matmul and attention
     outputs and recomputes the rest."""
     kwargs = checkpoint_options(mode)
     for key, block in model.layers.items():
         model.layers[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
-    log.info("activation checkpointing (%s) of %d blocks", mode, len(model.layers))
+    return logged(Applied("activation_checkpoint", f"activation checkpointing ({mode}) of {len(model.layers)} blocks"))
 
 
 def checkpoint_options(mode: str) -> dict:
@@ -142,7 +144,8 @@ def checkpoint_options(mode: str) -> dict:
     if mode == "selective":
         return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
     if mode != "full":
-        raise ValueError(f"parallel.activation_checkpoint={mode!r} is not one of none, full, selective")
+        choices = ", ".join(ACTIVATION_CHECKPOINT_MODES)
+        raise ValueError(f"parallel.activation_checkpoint={mode!r} is not one of {choices}")
     return {}
 
 
@@ -150,11 +153,11 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module) -> Applied:
     """torch.compile each block separately: blocks are identical, so one compiled graph serves all."""
     for key, block in model.layers.items():
         model.layers[key] = torch.compile(block)
-    log.info("torch.compile of %d blocks", len(model.layers))
+    return logged(Applied("compile", f"torch.compile of {len(model.layers)} blocks"))
 
 
 def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
@@ -165,6 +168,11 @@ def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     if has_dp_shard(mesh):
         return submesh(mesh, "dp_shard")
     return None
+
+
+def mesh_dims(mesh: DeviceMesh) -> dict[str, int]:
+    """{dimension name: size} of a named mesh."""
+    return dict(zip(mesh.mesh_dim_names, mesh.shape))
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -184,12 +192,12 @@ def apply_fsdp(
     mesh: DeviceMesh,
     expert_mesh: DeviceMesh | None = None,
     policy: MixedPrecisionPolicy | None = None,
-) -> None:
+) -> list[Applied]:
     """FSDP2 per block, then the root (embedding, norm, head). On a 2-D mesh the first dimension replicates
     (HSDP); with a shard dimension of size 1 this is plain data parallelism with all-reduced gradients.
 
     With expert parallelism each MoE layer's experts are wrapped first, on `expert_mesh` (the data-parallel ranks
-    that hold the same experts), so the block's own FSDP group leaves them out.
+    that hold the same experts), so the block's own FSDP group leaves them out; their record comes first.
     """
     policy = policy or MixedPrecisionPolicy()
     for block in model.layers.values():
@@ -198,24 +206,22 @@ def apply_fsdp(
                 fully_shard_experts(layer.experts, expert_mesh, mesh.size(), policy)
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    applied = []
     if expert_mesh is not None:
-        shape = dict(zip(expert_mesh.mesh_dim_names, expert_mesh.shape))
-        log.info("FSDP of the expert weights over mesh %s (x ep), gradients divided by %d dp ranks", shape, mesh.size())
+        shape = mesh_dims(expert_mesh)
+        detail = f"FSDP of the expert weights over mesh {shape} (x ep), gradients divided by {mesh.size()} dp ranks"
+        applied.append(logged(Applied("expert_fsdp", detail, shape)))
     if mesh.ndim == 1:
         kind = "FSDP"
     else:
         kind = "HSDP" if mesh.size(1) > 1 else "DDP (FSDP2 on a replicate-only mesh)"
-    shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    shape = mesh_dims(mesh)
     gathered = str(policy.param_dtype or torch.float32).removeprefix("torch.")
     reduced = str(policy.reduce_dtype or policy.param_dtype or torch.float32).removeprefix("torch.")
-    log.info(
-        "%s over mesh %s: %d blocks and the root (gathers %s, reduces %s)",
-        kind,
-        shape,
-        len(model.layers),
-        gathered,
-        reduced,
-    )
+    blocks = len(model.layers)
+    detail = f"{kind} over mesh {shape}: {blocks} blocks and the root (gathers {gathered}, reduces {reduced})"
+    applied.append(logged(Applied("fsdp", detail, shape)))
+    return applied
 
 
 def fully_shard_experts(

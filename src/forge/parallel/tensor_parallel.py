@@ -1,7 +1,5 @@
 """The tensor-parallel plan of the Llama decoder: Megatron-style column/row splits with sequence parallel norms."""
 
-import logging
-
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -12,12 +10,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from forge.model.transformer import FeedForward, Transformer
+from forge.model.feed_forward import FeedForward
+from forge.model.transformer import Transformer
+from forge.parallel.applied import Applied, logged
 
-log = logging.getLogger("forge")
 
-
-def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
     """Split heads and MLP columns over `tp_mesh`; activations between blocks are sharded along the sequence.
 
     Attention reshapes with -1 heads, so each rank runs attention on its own heads unchanged. The residual stream
@@ -65,4 +63,5 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
         else:
             raise NotImplementedError("tensor parallelism of MoE feed-forward layers is not implemented yet")
         parallelize_module(block, tp_mesh, plan)
-    log.info("tensor parallel over %d ranks: embedding, %d blocks, norm, output", tp_mesh.size(), len(model.layers))
+    detail = f"tensor parallel over {tp_mesh.size()} ranks: embedding, {len(model.layers)} blocks, norm, output"
+    return logged(Applied("tp", detail, {"tp": tp_mesh.size()}))

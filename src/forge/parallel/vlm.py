@@ -10,7 +10,6 @@ text plan does would checkpoint nothing.
 """
 
 import functools
-import logging
 from collections.abc import Callable
 
 import torch
@@ -19,18 +18,31 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from forge.parallel.plan import checkpoint_options, fsdp_mesh
-
-log = logging.getLogger("forge")
+from forge.parallel.applied import Applied, logged
+from forge.parallel.plan import checkpoint_options, fsdp_mesh, mesh_dims
 
 
 def parallelize_vlm(model: nn.Module, mesh: DeviceMesh | None, activation_checkpoint: str = "none") -> nn.Module:
+    """Apply the VLM plan to `model` in place and return the model (apply_vlm_plan returns what it applied)."""
+    apply_vlm_plan(model, mesh, activation_checkpoint)
+    return model
+
+
+def apply_vlm_plan(model: nn.Module, mesh: DeviceMesh | None, activation_checkpoint: str = "none") -> list[Applied]:
+    """Activation checkpointing of each layer's run_block, then FSDP2, applied to `model` in place; mesh is None
+    for one process. Returns what was applied, in order."""
+    applied = []
     if activation_checkpoint != "none":
-        checkpoint_layers(model, activation_checkpoint)
-        log.info("activation checkpointing (%s) of each layer's run_block", activation_checkpoint)
+        applied.append(checkpoint_layers(model, activation_checkpoint))
     shard_mesh = fsdp_mesh(mesh)
-    if shard_mesh is None:
-        return model
+    if shard_mesh is not None:
+        applied.append(apply_vlm_fsdp(model, shard_mesh))
+    return applied
+
+
+def apply_vlm_fsdp(model: nn.Module, shard_mesh: DeviceMesh) -> Applied:
+    """FSDP2 of each unit the strategy names, then the root; the vision tower is one more unit when the schedule
+    trains it, and stays whole on every rank when it is frozen for the run."""
     units = list(model.fsdp_units())
     ignored = None
     if model.train_encoder_from_step is None:
@@ -41,16 +53,17 @@ def parallelize_vlm(model: nn.Module, mesh: DeviceMesh | None, activation_checkp
         fully_shard(unit, mesh=shard_mesh)
     fully_shard(model, mesh=shard_mesh, ignored_params=ignored)
     frozen = "replicated (frozen)" if ignored else "sharded (trained by the schedule)"
-    log.info("FSDP over %d ranks: %d units and the root; vision tower %s", shard_mesh.size(), len(units), frozen)
-    return model
+    detail = f"FSDP over {shard_mesh.size()} ranks: {len(units)} units and the root; vision tower {frozen}"
+    return logged(Applied("fsdp", detail, mesh_dims(shard_mesh)))
 
 
-def checkpoint_layers(model: nn.Module, mode: str) -> None:
+def checkpoint_layers(model: nn.Module, mode: str) -> Applied:
     """Swap the model's class for a subclass whose `run_block` is recomputed in backward (`full`), or all but its
     matmuls and attention (`selective`), and runs plainly under no_grad (evaluation, generation). A subclass, as
     FSDP2 does, rather than a function on the instance: a deepcopy then still runs its own layers."""
     cls = type(model)
     model.__class__ = type(f"Checkpointed{cls.__name__}", (cls,), {"run_block": checkpointed(cls.run_block, mode)})
+    return logged(Applied("activation_checkpoint", f"activation checkpointing ({mode}) of each layer's run_block"))
 
 
 def checkpointed(layer: Callable, mode: str) -> Callable:

@@ -1,6 +1,5 @@
 """Builders for the pieces of a run, each from its config group."""
 
-import inspect
 import logging
 
 import torch
@@ -8,8 +7,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from forge.data.loader import BatchLoader, TokenWindows
-from forge.data.sources import DataError
+from forge.data import Corpus, Loader
+from forge.data.loader import TokenWindows
+from forge.data.token_corpus import windows_of_split
 from forge.model import Transformer, TransformerArgs
 from forge.train.optim import param_groups
 
@@ -39,10 +39,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 def build_optimizer(cfg: DictConfig, model: nn.Module):
-    """The optimizer and its schedule. A target whose first parameter is named `model` (Muon, which tells the
-    head from hidden matrices by name) gets the model; any other gets param_groups(model)."""
+    """The optimizer and its schedule. The optimizer is called with param_groups(model), or with the model itself
+    when its schema says `takes_model` (Muon, which tells the head from hidden matrices by name)."""
     make = instantiate(cfg.optimizer, _convert_="all")  # plain lists: the state is saved and read weights_only
-    takes_model = next(iter(inspect.signature(make.func).parameters)) == "model"
+    takes_model = getattr(OmegaConf.get_type(cfg.optimizer), "takes_model", False)
     optimizer = make(model if takes_model else param_groups(model))
     scheduler = instantiate(cfg.scheduler)(optimizer)
     return optimizer, scheduler
@@ -55,49 +55,24 @@ def build_loss(cfg: DictConfig):
     return instantiate(cfg.loss) if cfg.get("loss") is not None else CrossEntropyLoss()
 
 
-def build_corpus(cfg: DictConfig):
+def build_corpus(cfg: DictConfig) -> Corpus:
     return instantiate(cfg.data)
 
 
 def split_windows(tokens, cfg: DictConfig, split: str) -> TokenWindows:
-    """The samples of one split, or a DataError naming the split, its size and what to change."""
-    where = f" of data.path={cfg.data.path}" if "path" in cfg.data else ""
-    vocab = cfg.data.get("vocab_size")
-    try:
-        return TokenWindows(tokens, cfg.train.seq_len, vocab, f"the {split} split{where}")
-    except ValueError as err:
-        fraction = f" (data.val_fraction={cfg.data.val_fraction})" if "val_fraction" in cfg.data else ""
-        raise DataError(
-            f"the {split} split{where}{fraction} is too short for train.seq_len={cfg.train.seq_len}: {err}; "
-            "use a shorter train.seq_len"
-            + (", a larger data.val_fraction" if fraction and split == "validation" else "")
-            + " or more data"
-        ) from err
+    """The samples of one split of a token array at train.seq_len, checked against data.vocab_size."""
+    data = cfg.data
+    path = data.path if "path" in data else None
+    fraction = data.val_fraction if "val_fraction" in data else None
+    return windows_of_split(tokens, cfg.train.seq_len, data.get("vocab_size"), split, path, fraction)
 
 
-def build_loader(cfg: DictConfig, corpus, dp_rank: int, dp_size: int):
-    """The training loader of a corpus (or of a bare token array): the corpus's own (mixtures) or a BatchLoader."""
+def build_loader(cfg: DictConfig, corpus: Corpus, dp_rank: int, dp_size: int) -> Loader:
+    """This rank's training loader of the corpus."""
     train = cfg.train
-    if hasattr(corpus, "make_loader"):
-        return corpus.make_loader(
-            train.seq_len, train.micro_batch_size, train.global_batch_size, train.seed, dp_rank, dp_size
-        )
-    tokens = getattr(corpus, "train_tokens", corpus)
-    windows = split_windows(tokens, cfg, "training")
-    return BatchLoader(
-        windows,
-        train.micro_batch_size,
-        train.seed,
-        dp_rank,
-        dp_size,
-        document_eos(cfg, corpus),
-        global_batch=train.global_batch_size,
+    return corpus.make_loader(
+        train.seq_len, train.micro_batch_size, train.global_batch_size, train.seed, dp_rank, dp_size
     )
-
-
-def document_eos(cfg: DictConfig, corpus) -> int | None:
-    """The EOS id when data.document_masking is on (batches then carry document ids), else None."""
-    return corpus.eos_id if cfg.data.get("document_masking", False) else None
 
 
 def config_yaml(cfg: DictConfig) -> str:

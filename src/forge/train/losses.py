@@ -1,7 +1,8 @@
 """Training losses (conf/loss): token cross-entropy, plain or chunked, each with an optional PaLM z-loss.
 
-A loss is called as `loss(model, inputs, labels, attn_mask)` inside the trainer's autocast and returns the scalar
-to backpropagate. Labels of -100 are ignored; every mean is over the labelled tokens.
+A loss is called as `loss(model, inputs, labels, attn_mask)` inside the step's autocast and returns the scalar to
+backpropagate; `model(inputs, attn_mask=..., head=...)` is forge's Transformer, or a VLM through the VLM step's
+MediaModel, so every loss trains every model. Labels of -100 are ignored; every mean is over the labelled tokens.
 
 z-loss (PaLM, Chowdhery et al. 2022): z_loss_weight * mean(logsumexp(logits)^2) keeps the softmax normaliser
 near 1 (log Z near 0), which stabilises bf16 training of large vocabularies.
@@ -13,11 +14,27 @@ only scales them), so the head costs the same matmuls as the plain path while th
 drops from several (tokens x vocab) fp32 tensors to two of (chunk x vocab).
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
+
+
+class Loss(Protocol):
+    def __call__(
+        self,
+        model: Callable[..., torch.Tensor],
+        inputs: torch.Tensor | dict[str, torch.Tensor],
+        labels: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The mean loss of one micro-batch over its labelled tokens (with autograd where grad is enabled)."""
+        ...
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -32,11 +49,13 @@ def z_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (lse.square() * valid).sum() / valid.sum().clamp(min=1)
 
 
+@dataclass
 class CrossEntropyLoss:
-    """Cross-entropy of the model's logits, plus z_loss_weight * z-loss."""
+    """Mean token cross-entropy of the logits, plus an optional z-loss. (Its fields are conf/loss's options: the
+    schema is this dataclass with a `_target_`.)"""
 
-    def __init__(self, z_loss_weight: float = 0.0):
-        self.z_loss_weight = z_loss_weight
+    z_loss_weight: float = 0.0
+    """Weight of PaLM's z-loss, mean(logsumexp(logits)^2) over labelled tokens (1e-4 in PaLM; 0 = off)."""
 
     def __call__(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, attn_mask: torch.Tensor | None = None
@@ -48,18 +67,24 @@ class CrossEntropyLoss:
         return loss
 
 
-class ChunkedCrossEntropyLoss(CrossEntropyLoss):
-    """The same loss (and gradients) as CrossEntropyLoss, with the head applied `chunk_size` tokens at a time.
+@dataclass
+class ChunkedCrossEntropyLoss:
+    """Cross-entropy with the output head applied a chunk of tokens at a time: the (tokens x vocab) logits are
+    never held at once; loss and gradients equal CrossEntropyLoss's.
 
     Needs a model whose forward takes `head=False` and whose head is `model.output` without a bias (forge's
-    Transformer, also under FSDP: the root module keeps its parameters gathered from forward to backward).
+    Transformer and the VLMs, also under FSDP: the root module, which holds the head, keeps its parameters
+    gathered from forward to backward).
     """
 
-    def __init__(self, chunk_size: int = 1024, z_loss_weight: float = 0.0):
-        super().__init__(z_loss_weight)
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size={chunk_size} must be positive")
-        self.chunk_size = chunk_size
+    chunk_size: int = 1024
+    """Tokens (over batch x sequence) per chunk of the head and loss."""
+    z_loss_weight: float = 0.0
+    """Weight of PaLM's z-loss, mean(logsumexp(logits)^2) over labelled tokens (1e-4 in PaLM; 0 = off)."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size={self.chunk_size} must be positive")
 
     def __call__(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, attn_mask: torch.Tensor | None = None

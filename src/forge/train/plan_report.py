@@ -2,7 +2,7 @@
 
 The model is built on the meta device and the plan runs for rank 0 of a fake process group of
 `parallel.world_size` ranks (torch's "fake" backend: collectives are no-ops), so an 8B model on 32 ranks is
-planned on a laptop in seconds.
+planned on a laptop in seconds. The transforms it lists are the records `parallelize` returns, in its order.
 
 Peak memory per rank (bytes), with P the parameters this rank holds (its shards and stages):
 
@@ -26,7 +26,6 @@ a 70B model on 512 ranks fits in a few GiB of host memory.
 """
 
 import contextlib
-import logging
 import math
 import re
 import sys
@@ -37,8 +36,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from forge.config import validate  # before forge.parallel.degrees: the config package imports it
-from forge.parallel.degrees import Degrees
+from forge.config import validate
+from forge.config.degrees import Degrees, resolve_degrees
+from forge.parallel.applied import Applied
 
 GIB = 2**30
 
@@ -125,15 +125,6 @@ def fake_process_group(world_size: int):
         dist.destroy_process_group()
 
 
-class _Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
     """The report printed by `forge-train --plan`; with `materialize`, rank 0's shards are also allocated on the CPU
     and initialised as a real run would, and a line says their bytes, the seconds and the host memory it took."""
@@ -153,39 +144,31 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
     total = sum(p.numel() for p in model.parameters())
     allocated = "rank 0 materialized on the CPU" if materialize else "nothing allocated"
     lines = [f"plan for {world_size} ranks (as rank 0), model {total / 1e9:.3f}B parameters, {allocated}", *notes]
-    collect = _Collect()
-    forge_log = logging.getLogger("forge")
-    level = forge_log.level
-    forge_log.addHandler(collect)
-    forge_log.setLevel(logging.INFO)
+    applied: list[Applied] = []
     group = fake_process_group(world_size) if world_size > 1 else contextlib.nullcontext()
-    try:
-        with group:
-            mesh = build_mesh(degrees, "cpu")
-            lines.append(f"mesh: {mesh_shape(degrees) or 'none (one process)'}")
-            if degrees.ep > 1:
-                lines[-1] += f" (non-expert weights: dp_shard={degrees.dp_shard} = dp_shard_mod_ep x ep, flattened)"
-            parts = [model]
-            if degrees.pp > 1:
-                n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
-                parts = [build_stage_module(model, s, n_stages) for s in range(0, n_stages, degrees.pp)]
-                lines.append(
-                    f"pipeline split into {n_stages} stages; rank 0 holds stages {list(range(0, n_stages, degrees.pp))}"
-                )
-            for part in parts:
-                compute = "bf16" if train.dtype in ("auto", "bf16") else "fp32"  # auto is bf16 on GPUs
-                parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute)
-            local = sum(count_local_parameters(p) for p in parts)
-            local_experts = sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p))
-            rank_blocks = sum(len(p.layers) for p in parts)
-            has_head = any(p.output is not None for p in parts)
-            if materialize:
-                materialized = materialize_rank0(cfg, parts, degrees)
-    finally:
-        forge_log.removeHandler(collect)
-        forge_log.setLevel(level)
+    with group:
+        mesh = build_mesh(degrees, "cpu")
+        lines.append(f"mesh: {mesh_shape(degrees) or 'none (one process)'}")
+        if degrees.ep > 1:
+            lines[-1] += f" (non-expert weights: dp_shard={degrees.dp_shard} = dp_shard_mod_ep x ep, flattened)"
+        parts = [model]
+        if degrees.pp > 1:
+            n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
+            parts = [build_stage_module(model, s, n_stages) for s in range(0, n_stages, degrees.pp)]
+            lines.append(
+                f"pipeline split into {n_stages} stages; rank 0 holds stages {list(range(0, n_stages, degrees.pp))}"
+            )
+        for part in parts:
+            compute = "bf16" if train.dtype in ("auto", "bf16") else "fp32"  # auto is bf16 on GPUs
+            applied += parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute)
+        local = sum(count_local_parameters(p) for p in parts)
+        local_experts = sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p))
+        rank_blocks = sum(len(p.layers) for p in parts)
+        has_head = any(p.output is not None for p in parts)
+        if materialize:
+            materialized = materialize_rank0(cfg, parts, degrees)
     lines.append("transforms, in order:")
-    lines += [f"  {i}. {line}" for i, line in enumerate(collect.lines, 1)] or ["  (none)"]
+    lines += [f"  {i}. {step.detail}" for i, step in enumerate(applied, 1)] or ["  (none)"]
     lines.append(
         f"parameters: total {total:,} | rank 0 holds {local:,} "
         f"({local / total:.4f} of the model, 1/{total / local:.1f})"
@@ -302,8 +285,6 @@ def _expert_line(args, degrees: Degrees, model, local: int, local_experts: int) 
 def _fit_global_batch(cfg: DictConfig, world_size: int) -> list[str]:
     """Raise train.global_batch_size to a multiple of micro_batch_size (1 when unset) x dp ranks (the plan is about
     the layout; a small default batch would otherwise refuse a large world size)."""
-    from forge.parallel.degrees import resolve_degrees
-
     train = cfg.train
     step = (train.micro_batch_size or 1) * resolve_degrees(cfg.parallel, world_size).dp
     if train.global_batch_size % step == 0:

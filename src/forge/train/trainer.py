@@ -5,22 +5,19 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
-from torch import nn
 
 from forge.checkpoint import Checkpointer, CheckpointError, RunState
 from forge.checkpoint.hf_save import save_run_hf
 from forge.checkpoint.run_lock import hold_run_dir
 from forge.config import validate
-from forge.data.loader import batch_to_device, eval_batches
+from forge.data import Batch
 from forge.metrics.logger import format_duration
 from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter
-from forge.model.moe import moe_metrics, router_losses, update_router_biases
+from forge.model.moe import moe_metrics, update_router_biases
 from forge.parallel import dist
 from forge.parallel.expert import sum_over_ranks
-from forge.parallel.grads import clip_grad_norm, set_gradient_sync
-from forge.parallel.mesh import build_mesh, dp_rank_and_size, mean_over_dp, sum_over_dp
+from forge.parallel.mesh import build_mesh, dp_rank_and_size
 from forge.parallel.pipeline import Pipeline, build_pipeline
 from forge.parallel.plan import float8_all_gather_enabled, parallelize
 from forge.resilience import EXIT_PREEMPTED
@@ -29,39 +26,13 @@ from forge.resilience.hard_exit import on_hard_exit
 from forge.resilience.health import check_device
 from forge.resilience.preemption import EXIT_INTERRUPTED, PreemptionHandler
 from forge.train import build
-from forge.train.precision import autocast, resolve_dtype
+from forge.train.freeze import Unfrozen
+from forge.train.losses import cross_entropy
+from forge.train.precision import resolve_dtype
 from forge.train.run_files import save_hydra_files
+from forge.train.steps import PipelineStep, Step, TextStep, token_mean
 
 log = logging.getLogger("forge")
-
-
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32 (labels of -100 are ignored)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches, device: torch.device, dtype: str) -> float:
-    """Mean loss over the labelled tokens of the given (inputs, labels) batches."""
-    total, tokens = token_loss_sum(model, batches, device, dtype)
-    return (total / tokens.clamp(min=1)).item()
-
-
-@torch.no_grad()
-def token_loss_sum(model: nn.Module, batches, device: torch.device, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of the token losses, labelled tokens) over the batches: sums, so that ranks can add theirs."""
-    was_training = model.training
-    model.eval()
-    total, tokens = torch.zeros((), device=device), torch.zeros((), device=device)
-    for batch in batches:
-        inputs, labels, attn_mask = batch_to_device(batch, device)
-        with autocast(device, dtype):
-            logits = model(inputs, attn_mask=attn_mask)
-        count = (labels != -100).sum()
-        total += cross_entropy(logits, labels) * count
-        tokens += count
-    model.train(was_training)
-    return total, tokens
 
 
 def set_optimizer_mode(optimizer, mode: str) -> None:
@@ -117,17 +88,18 @@ class Trainer:
         self.mesh = build_mesh(self.degrees, self.device.type)
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
 
-        self.build_model_and_data()
-        self.float8_all_gather = float8_all_gather_enabled(self.model)
-        self.optimizer, self.scheduler = build.build_optimizer(cfg, self.model)
-        set_optimizer_mode(self.optimizer, "train")  # schedule-free: DCP's state init takes a (zero-lr) step
         self.loss_fn = build.build_loss(cfg)
-        self.loader = build.build_loader(cfg, self.corpus, self.dp_rank, self.dp_size)
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * self.dp_size)
         self.tokens_per_step = train.global_batch_size * train.seq_len
         self.eval_micro_batches = train.eval_batches * self.grad_accum  # per rank: eval_batches global batches
         defer = cfg.parallel.get("defer_grad_sync")
         self.defer_grad_sync = self.degrees.dp_shard == 1 if defer is None else defer  # sharded: reduce each time
+
+        self.build_model_and_data()
+        self.float8_all_gather = float8_all_gather_enabled(self.model)
+        self.optimizer, self.scheduler = build.build_optimizer(cfg, self.model)
+        set_optimizer_mode(self.optimizer, "train")  # schedule-free: DCP's state init takes a (zero-lr) step
+        self.loader = build.build_loader(cfg, self.corpus, self.dp_rank, self.dp_size)
         self.state = self.restore()
         self.guard = StepGuard(cfg.resilience, self.preemption)
         self.preempted = False
@@ -149,20 +121,26 @@ class Trainer:
         )
 
     def build_model_and_data(self) -> None:
-        """Corpus, model (parallelized and initialised) and validation data; a VLM trainer builds its own."""
+        """Corpus, model (parallelized and initialised), its freeze schedule and the step body that trains it (the
+        pipeline's with parallel.pp > 1); a VLM trainer builds its own."""
         cfg = self.cfg
         with dist.local_rank_zero_first():
             self.corpus = build.build_corpus(cfg)
         self.model = build.build_meta_model(cfg)
         self.n_params = sum(p.numel() for p in self.model.parameters())  # the whole model, before any split
+        self.freeze = Unfrozen()
         self.pipeline: Pipeline | None = None
+        self.step: Step
         if self.degrees.pp > 1:
             self.pipeline = self.build_pipeline()
-            self.model = self.pipeline.model
+            self.step = PipelineStep(self.pipeline, self.device, self.dtype, self.defer_grad_sync)
         else:
             parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device, self.dtype)
             build.materialize_parallel(cfg, self.model, self.device, cfg.train.seed)
-        self.val_windows = build.split_windows(self.corpus.val_tokens, cfg, "validation")
+            self.step = TextStep(
+                self.model, self.device, self.dtype, self.mesh, self.defer_grad_sync, train_loss=self.batch_loss
+            )
+        self.model = self.step.model
 
     def build_pipeline(self) -> Pipeline:
         """This rank's pipeline stages, parallelized and initialised as the whole model would be in one process."""
@@ -181,9 +159,12 @@ class Trainer:
     def restore(self) -> RunState:
         """Resume per checkpoint.resume, or warm-start per checkpoint.load_weights, or start fresh."""
         ckpt = self.cfg.checkpoint
+        self.freeze.before_restore(self.optimizer)
         path = self.checkpointer.resume_path()
         if path is not None:
-            return self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.loader)
+            state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.loader)
+            self.freeze.after_resume(state.step)
+            return state
         if ckpt.load_weights:
             self.checkpointer.load_weights(ckpt.load_weights, self.model, tuple(ckpt.load_weights_exclude))
         return RunState()
@@ -193,32 +174,19 @@ class Trainer:
         self.checkpointer.save(self.state.step, self.model, self.optimizer, self.scheduler, self.loader, self.state)
         set_optimizer_mode(self.optimizer, "train")
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over grad_accum micro-batches; returns (this rank's share of the loss, grad norm) as
-        tensors (`mean_over_dp` of the first is the step's loss: the loop averages it only when it logs).
-
-        The loss is the mean over the global batch's labelled tokens, whatever the micro-batch size, accumulation
-        and dp size: each micro-batch's mean is weighted by its share of the labelled tokens of the whole step
-        (counted up front, one all-reduce), so ignored labels (document masking, VLM prompts) weigh nothing. The
-        MoE aux and z losses are each a mean over a micro-batch's tokens, averaged over micro-batches and ranks.
-        """
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step over grad_accum micro-batches; returns this rank's (loss sum, labelled tokens) and the
+        grad norm, as tensors (`token_mean` of the first two is the step's loss: the loop reduces them over the dp
+        ranks only when it logs). The loss is the mean over the global batch's labelled tokens, whatever the
+        micro-batch size, accumulation and dp size (see the step bodies, forge.train.steps)."""
         train = self.cfg.train
+        self.freeze.before_step(self.state.step)
         with self.meter.waiting_for_data():
             batches = [self.loader.next_batch() for _ in range(self.grad_accum)]
-        if self.pipeline is not None:
-            loss_sum, pp_group = self.pipeline_step(batches), self.pipeline.group
-        else:
-            pp_group = None
-            weights = self.token_weights(batches)
-            loss_sum = torch.zeros((), device=self.device)
-            for micro, batch in enumerate(batches):
-                if self.defer_grad_sync:
-                    set_gradient_sync(self.model, micro == self.grad_accum - 1)
-                loss = self.guard.inject(self.state.step + 1, self.batch_loss(batch))
-                (loss * weights[micro] + router_losses(self.model) / self.grad_accum).backward()
-                loss_sum += loss.detach() * weights[micro]
-        grad_norm = clip_grad_norm(self.model, train.grad_clip, pp_group)
-        if self.guard.step_is_finite(self.state.step + 1, loss_sum, grad_norm):
+        loss_sum, tokens = self.step.forward_backward(batches)
+        grad_norm = self.step.clip_grad_norm(train.grad_clip)
+        rank_loss = loss_sum / tokens.clamp(min=1)  # this rank's mean, for the check and its message
+        if self.guard.step_is_finite(self.state.step + 1, rank_loss, grad_norm):
             self.optimizer.step()
             # sigmoid routers: outside the gradient; the loads are summed over ranks only where needed
             update_router_biases(self.model, sum_over_ranks, for_metrics=self.is_log_step(self.state.step + 1))
@@ -230,41 +198,15 @@ class Trainer:
         for group in self.optimizer.param_groups:  # data phases may scale the next step's lr (mixture annealing)
             group["lr"] *= self.loader.lr_scale
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm
+        return loss_sum, tokens, grad_norm
 
     def is_log_step(self, step: int) -> bool:
         return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
 
-    def labelled_tokens(self, batch) -> torch.Tensor:
-        """Tokens of a micro-batch that carry a label (not -100)."""
-        return (batch[1] != -100).sum()
-
-    def token_weights(self, batches: list) -> torch.Tensor:
-        """Per micro-batch: its labelled tokens x dp ranks / the step's labelled tokens over all ranks, so that
-        sum(weight x micro-batch mean) averaged over the ranks (as FSDP/DDP average gradients) is the token mean."""
-        counts = torch.stack([self.labelled_tokens(b) for b in batches]).to(self.device, torch.float32)
-        total = sum_over_dp(counts.sum(), self.mesh)
-        return counts * self.dp_size / total.clamp(min=1)
-
-    def pipeline_step(self, batches: list) -> torch.Tensor:
-        """The micro-batches through the pipeline schedule; returns the summed loss (every pp rank has it).
-        Text batches without document masking label every token, so the schedules' mean of means is the token
-        mean (document masking is refused with pp by validation)."""
-        loss_sum = torch.zeros((), device=self.device)
-        for micro, batch in enumerate(batches):
-            if self.defer_grad_sync:
-                set_gradient_sync(self.model, micro == self.grad_accum - 1)
-            inputs, labels, _ = batch_to_device(batch, self.device)
-            with autocast(self.device, self.dtype):
-                loss_sum += self.pipeline.step(inputs, labels)  # schedules average over their microbatches
-        self.pipeline.average_grads(self.grad_accum)
-        return self.pipeline.from_last_stage(loss_sum) / self.grad_accum
-
-    def batch_loss(self, batch) -> torch.Tensor:
-        """The mean token loss of one micro-batch (with autograd)."""
-        inputs, labels, attn_mask = batch_to_device(batch, self.device)
-        with autocast(self.device, self.dtype):
-            return self.loss_fn(self.model, inputs, labels, attn_mask)  # conf/loss
+    def batch_loss(self, batch: Batch) -> torch.Tensor:
+        """The training loss (conf/loss) of one micro-batch, with autograd: the step body calls it for each
+        micro-batch; resilience.inject_nan_at_step turns one step's into NaN."""
+        return self.guard.inject(self.state.step + 1, self.step.batch_loss(batch, self.loss_fn))
 
     def skip_step(self) -> None:
         """Consume a step's batches without training on them (rolled-back offending batches)."""
@@ -283,29 +225,12 @@ class Trainer:
     def evaluate(self) -> float:
         train = self.cfg.train
         set_optimizer_mode(self.optimizer, "eval")  # schedule-free: evaluate the averaged weights
-        eos = build.document_eos(self.cfg, self.corpus)
-        batches = eval_batches(
-            self.val_windows, train.micro_batch_size, self.eval_micro_batches, self.dp_rank, self.dp_size, eos
+        batches = self.corpus.val_batches(
+            train.seq_len, train.micro_batch_size, self.eval_micro_batches, self.dp_rank, self.dp_size
         )
-        if self.pipeline is not None:
-            val_loss = mean_over_dp(self.evaluate_pipeline(batches), self.mesh)
-        else:
-            total, tokens = token_loss_sum(self.model, batches, self.device, self.dtype)
-            val_loss = sum_over_dp(total, self.mesh) / sum_over_dp(tokens, self.mesh).clamp(min=1)
+        val_loss = token_mean(*self.step.evaluate(batches), self.mesh)
         set_optimizer_mode(self.optimizer, "train")
         return val_loss.item()
-
-    def evaluate_pipeline(self, batches) -> torch.Tensor:
-        """Mean loss over the batches through a forward-only pass of the schedule, on every pp rank."""
-        self.model.eval()
-        total, count = torch.zeros((), device=self.device), 0
-        for batch in batches:
-            inputs, labels, _ = batch_to_device(batch, self.device)
-            with autocast(self.device, self.dtype):
-                total += self.pipeline.eval_loss(inputs, labels)
-            count += 1
-        self.model.train()
-        return self.pipeline.from_last_stage(total / max(count, 1))
 
     def fit(self) -> dict:
         """Train to train.steps (or until preempted); the watchdog and signal handlers end with the loop."""
@@ -342,7 +267,8 @@ class Trainer:
             self.metrics.log_eval(self.state.step, first_val)
         start = time.perf_counter()
         self.meter.restart(self.state.step, self.state.tokens_seen)
-        loss = local_loss = torch.full((), float("nan"))  # no step run: no training loss
+        loss = loss_sum = torch.full((), float("nan"))  # no step run: no training loss
+        tokens = torch.ones(())
         while self.state.step < train.steps:
             lr = self.optimizer.param_groups[0]["lr"]  # includes a data phase's lr_scale
             self.profiler.step_started(self.state.step + 1)
@@ -353,7 +279,7 @@ class Trainer:
                 self.state.tokens_seen += self.tokens_per_step
                 continue
             try:
-                local_loss, grad_norm = self.train_step()
+                loss_sum, tokens, grad_norm = self.train_step()
             except RollbackRequested as rollback:
                 self.roll_back(rollback.step)
                 continue
@@ -363,7 +289,7 @@ class Trainer:
             step = self.state.step
             self.profiler.step_finished(step)
             if self.is_log_step(step):
-                loss = mean_over_dp(local_loss, self.mesh)
+                loss = token_mean(loss_sum, tokens, self.mesh)
                 self.metrics.log_train(
                     step,
                     {
@@ -398,7 +324,7 @@ class Trainer:
                 self.preempted = True
                 break
         if self.preempted and not self.is_log_step(self.state.step):
-            loss = mean_over_dp(local_loss, self.mesh)  # every rank stopped after this step
+            loss = token_mean(loss_sum, tokens, self.mesh)  # every rank stopped after this step
         self.checkpointer.wait()
         if self.checkpointer.last_save_error:  # on_save_error=continue kept training; the run must not look whole
             raise CheckpointError(

@@ -14,6 +14,7 @@ across epochs.
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -81,11 +82,12 @@ class VLMCorpus:
         image_processor,
         vocab_size: int,
         eos_id: int,
-        max_frames: int = 1,
-        min_frames: int = 1,
-        fps: float = 1.0,
-        answer_only_loss: bool = True,
-        on_bad_media: str = "skip",
+        *,
+        max_frames: int,
+        min_frames: int,
+        fps: float,
+        answer_only_loss: bool,
+        on_bad_media: str,
         media_cache_mb: int = 512,
     ):
         if on_bad_media not in BAD_MEDIA_POLICIES:
@@ -196,13 +198,14 @@ class VLMCorpus:
     ) -> "VLMLoader":
         return VLMLoader(self, seq_len, micro_batch, seed, dp_rank, dp_size)
 
-    def eval_batches(self, text_len: int, micro_batch: int, count: int, dp_rank: int, dp_size: int):
-        """The first `count` validation micro-batches of this rank, the same at every evaluation."""
+    def val_batches(self, seq_len: int, micro_batch: int, count: int, dp_rank: int, dp_size: int) -> Iterator[dict]:
+        """The first `count` validation micro-batches of this rank (text of seq_len tokens), the same at every
+        evaluation."""
         records = self.val_records
         per_rank = max(1, min(count, len(records) // (micro_batch * dp_size)))
         for b in range(per_rank):
             start = (b * dp_size + dp_rank) * micro_batch
-            examples = [self.example(r, text_len) for r in records[start : start + micro_batch]]
+            examples = [self.example(r, seq_len) for r in records[start : start + micro_batch]]
             yield collate([e for e in examples if e is not None])
 
 
@@ -217,6 +220,7 @@ class VLMLoader:
     unreadable record is replaced by the next one of the permutation (deterministically, so resumes stay exact)."""
 
     lr_scale = 1.0
+    """Learning-rate factor asked by the data (mixture phases); always 1 here."""
 
     def __init__(self, corpus: VLMCorpus, text_len: int, micro_batch: int, seed: int, dp_rank: int, dp_size: int):
         if micro_batch * dp_size > len(corpus.train_records):

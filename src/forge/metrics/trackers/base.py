@@ -3,11 +3,22 @@
 from pathlib import Path
 from typing import Any, Protocol
 
-TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")
+from hydra.utils import get_class
+
+TRACKER_CLASSES = {
+    "tensorboard": "forge.metrics.trackers.tensorboard_tracker.TensorBoardTracker",
+    "wandb": "forge.metrics.trackers.wandb_tracker.WandbTracker",
+    "mlflow": "forge.metrics.trackers.mlflow_tracker.MlflowTracker",
+}
+"""The class of each name in metrics.trackers, by path: a tracker's package is imported only by a run that uses it."""
+
+TRACKER_NAMES = tuple(TRACKER_CLASSES)
 
 
 class Tracker(Protocol):
-    """One experiment tracker; `run_id` is what a checkpoint stores to continue the same run on resume."""
+    """One experiment tracker, built as `cls(cfg, run_dir, run_id, config)` from a MetricsConfig, the run folder, the
+    run id to continue (None for a new run) and the run's config; `run_id` is what a checkpoint stores to continue
+    the same run on resume."""
 
     name: str
     run_id: str | None
@@ -24,21 +35,7 @@ def build_trackers(cfg: Any, run_dir: Path, run_ids: dict[str, str], config: dic
     unknown = [name for name in cfg.trackers if name not in TRACKER_NAMES]
     if unknown:
         raise ValueError(f"metrics.trackers: unknown {unknown}; choose from {list(TRACKER_NAMES)}")
-    trackers: list[Tracker] = []
-    for name in cfg.trackers:
-        if name == "tensorboard":
-            from forge.metrics.trackers.tensorboard_tracker import TensorBoardTracker
-
-            trackers.append(TensorBoardTracker(run_dir / cfg.tensorboard_dir))
-        elif name == "wandb":
-            from forge.metrics.trackers.wandb_tracker import WandbTracker
-
-            trackers.append(WandbTracker(cfg, run_dir, run_ids.get("wandb"), config))
-        elif name == "mlflow":
-            from forge.metrics.trackers.mlflow_tracker import MlflowTracker
-
-            trackers.append(MlflowTracker(cfg, run_dir, run_ids.get("mlflow"), config))
-    return trackers
+    return [get_class(TRACKER_CLASSES[name])(cfg, run_dir, run_ids.get(name), config) for name in cfg.trackers]
 
 
 def numeric(values: dict) -> dict[str, float]:

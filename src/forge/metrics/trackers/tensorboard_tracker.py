@@ -1,6 +1,7 @@
 """TensorBoard event files through torch's SummaryWriter."""
 
 from pathlib import Path
+from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
 
@@ -8,13 +9,13 @@ from forge.metrics.trackers.base import numeric
 
 
 class TensorBoardTracker:
-    """Scalars under `log_dir` (run_dir/tensorboard by default); TensorBoard has no run id to resume."""
+    """Scalars under run_dir/metrics.tensorboard_dir; TensorBoard has no run id to resume (it appends to the folder)."""
 
     name = "tensorboard"
     run_id: str | None = None
 
-    def __init__(self, log_dir: Path):
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+    def __init__(self, cfg: Any, run_dir: Path, run_id: str | None, config: dict | None):
+        self.writer = SummaryWriter(log_dir=str(run_dir / cfg.tensorboard_dir))
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in numeric(values).items():

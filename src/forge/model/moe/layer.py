@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 from forge.model.args import MoEArgs
+from forge.model.feed_forward import FeedForward
 from forge.model.init_spec import InitSpec, prefixed
 from forge.model.moe.dispatch import Dispatch, assign, local_dispatch
 from forge.model.moe.experts import GroupedExperts
 from forge.model.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
 from forge.model.moe.router import Router
-from forge.model.transformer import FeedForward
 
 AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global_batch")
 

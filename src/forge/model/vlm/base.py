@@ -60,7 +60,8 @@ class VLMCache(KVCache):
 
 class VisionLanguageModel(nn.Module):
     """Base of the strategies: subclasses define `forward(tokens, pixels, frame_mask, frame_times) -> logits` over
-    the text positions and may add parameters in `__init__` and `init_extra_weights`.
+    the text positions (with `head=False`, the final-norm hidden states: a chunked loss applies the head) and may
+    add parameters in `__init__` and `init_extra_weights`.
 
     Every strategy runs its layers through a method `run_block(key, block, h, ...)`, which the parallel plan wraps
     for activation checkpointing. Strategies with `supports_kv_cache` also define `prefill` (forward that fills a
@@ -73,14 +74,15 @@ class VisionLanguageModel(nn.Module):
     def __init__(
         self,
         text: TransformerArgs,
-        encoder_path: str | None = None,
-        encoder_kind: str = "clip",
-        cache_dir: str = "~/.cache/forge",
-        connector: str = "mlp",
-        connector_tokens: int | None = None,
-        train_encoder_from_step: int | None = None,
-        train_decoder_from_step: int = 0,
-        time_embedding: bool = False,
+        *,
+        encoder_path: str | None,
+        encoder_kind: str,
+        cache_dir: str,
+        connector: str,
+        connector_tokens: int | None,
+        train_encoder_from_step: int | None,
+        train_decoder_from_step: int,
+        time_embedding: bool,
         **strategy_options,
     ):
         super().__init__()
@@ -188,8 +190,10 @@ class VisionLanguageModel(nn.Module):
             raise ValueError(f"{end} positions exceed the text model's max_seq_len={self.decoder.rope_cos.shape[0]}")
         return self.decoder.rope_cos[start:end], self.decoder.rope_sin[start:end]
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.decoder.output(self.decoder.norm(h))
+    def head(self, h: torch.Tensor, logits: bool = True) -> torch.Tensor:
+        """The decoder's final norm, then (with `logits`) its output projection."""
+        h = self.decoder.norm(h)
+        return self.decoder.output(h) if logits else h
 
     def prefill(
         self,
@@ -223,13 +227,16 @@ class PrefixVLM(VisionLanguageModel):
         pixels: torch.Tensor,
         frame_mask: torch.Tensor,
         frame_times: torch.Tensor | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
-        return self._prefix_forward(tokens, pixels, frame_mask, frame_times, None)
+        return self._prefix_forward(tokens, pixels, frame_mask, frame_times, None, head)
 
     def prefill(self, tokens, pixels, frame_mask, frame_times, cache: VLMCache) -> torch.Tensor:
         return self._prefix_forward(tokens, pixels, frame_mask, frame_times, cache)
 
-    def _prefix_forward(self, tokens, pixels, frame_mask, frame_times, cache: VLMCache | None) -> torch.Tensor:
+    def _prefix_forward(
+        self, tokens, pixels, frame_mask, frame_times, cache: VLMCache | None, head: bool = True
+    ) -> torch.Tensor:
         visual, valid = self.encode_media(pixels, frame_mask, frame_times)
         text = self.decoder.tok_embeddings(tokens)
         n_visual = visual.shape[1]
@@ -241,7 +248,7 @@ class PrefixVLM(VisionLanguageModel):
             h = self.run_block(key, block, h, n_visual, valid, cos, sin, mask, cache)
         if cache is not None:
             cache.key_valid = key_valid
-        return self.head(h[:, n_visual:])
+        return self.head(h[:, n_visual:], head)
 
     def decode(self, tokens: torch.Tensor, cache: VLMCache) -> torch.Tensor:
         h = self.decoder.tok_embeddings(tokens)

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CONNECTORS = ("linear", "mlp", "avgpool", "attnpool")
+POOLING_CONNECTORS = ("avgpool", "attnpool")
+"""Connectors that reduce an image's tokens to vlm.connector_tokens."""
+CONNECTORS = ("linear", "mlp", *POOLING_CONNECTORS)
 
 
 class LinearConnector(nn.Module):
@@ -69,7 +71,7 @@ def build_connector(kind: str, width: int, dim: int, tokens: int | None) -> nn.M
         return LinearConnector(width, dim)
     if kind == "mlp":
         return MLPConnector(width, dim)
-    if kind in ("avgpool", "attnpool"):
+    if kind in POOLING_CONNECTORS:
         if not tokens or tokens < 1:
             raise ValueError(f"vlm.connector={kind} needs vlm.connector_tokens >= 1 (got {tokens})")
         return AvgPoolConnector(width, dim, tokens) if kind == "avgpool" else AttnPoolConnector(width, dim, tokens)

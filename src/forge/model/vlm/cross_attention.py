@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge.model.args import TransformerArgs
-from forge.model.transformer import FeedForward
+from forge.model.feed_forward import FeedForward
 from forge.model.vlm.base import VisionLanguageModel, VLMCache
 
 
@@ -50,7 +50,7 @@ class GatedCrossAttentionBlock(nn.Module):
 class CrossAttentionVLM(VisionLanguageModel):
     """Decoder blocks with a gated cross-attention block after every `cross_attention_every`-th one."""
 
-    def __init__(self, text: TransformerArgs, cross_attention_every: int = 2, **kwargs):
+    def __init__(self, text: TransformerArgs, *, cross_attention_every: int, **kwargs):
         super().__init__(text, **kwargs)
         if cross_attention_every < 1:
             raise ValueError(f"vlm.cross_attention_every={cross_attention_every} must be >= 1")
@@ -76,9 +76,10 @@ class CrossAttentionVLM(VisionLanguageModel):
         pixels: torch.Tensor,
         frame_mask: torch.Tensor,
         frame_times: torch.Tensor | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
         visual, valid = self.encode_media(pixels, frame_mask, frame_times)
-        return self._run(self.decoder.tok_embeddings(tokens), visual, valid, None, None)
+        return self._run(self.decoder.tok_embeddings(tokens), visual, valid, None, None, head=head)
 
     def prefill(self, tokens, pixels, frame_mask, frame_times, cache: VLMCache) -> torch.Tensor:
         visual, valid = self.encode_media(pixels, frame_mask, frame_times)
@@ -91,14 +92,14 @@ class CrossAttentionVLM(VisionLanguageModel):
         mask = cache.extend_keys(tokens.shape[1])
         return self._run(self.decoder.tok_embeddings(tokens), cache.visual, cache.visual_valid, mask, cache, start)
 
-    def _run(self, h, visual, valid, mask, cache: VLMCache | None, start: int = 0) -> torch.Tensor:
+    def _run(self, h, visual, valid, mask, cache: VLMCache | None, start: int = 0, head: bool = True) -> torch.Tensor:
         """The text stream through the blocks (self-attention over the cache, if any; causal when mask is None)
         and the gated cross-attention to the visual tokens."""
         visual = visual.to(h.dtype)
         cos, sin = self.rope_at(start, h.shape[1])
         for key, block in self.decoder.layers.items():
             h = self.run_block(key, block, h, visual, valid, cos, sin, mask, cache)
-        return self.head(h)
+        return self.head(h, head)
 
     def run_block(self, key: str, block, h, visual, valid, cos, sin, mask, cache=None) -> torch.Tensor:
         """One decoder block, then its gated cross-attention block if it has one."""

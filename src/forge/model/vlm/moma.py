@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from forge.model.args import TransformerArgs
-from forge.model.transformer import FeedForward, TransformerBlock
+from forge.model.feed_forward import FeedForward
+from forge.model.transformer import TransformerBlock
 from forge.model.vlm.base import PrefixVLM, VisionLanguageModel
 
 
@@ -71,9 +72,10 @@ class MoMaVLM(PrefixVLM):
     def __init__(
         self,
         text: TransformerArgs,
-        text_experts: int = 2,
-        image_experts: int = 2,
-        capacity_factor: float = 1.0,
+        *,
+        text_experts: int,
+        image_experts: int,
+        capacity_factor: float,
         **kwargs,
     ):
         super().__init__(text, **kwargs)

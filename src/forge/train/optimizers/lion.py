@@ -22,9 +22,9 @@ class Lion(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.99),
-        weight_decay: float = 0.0,
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
     ):
         if lr <= 0:
             raise ValueError(f"Lion: lr={lr} must be positive")

@@ -166,17 +166,17 @@ def split_params(
 
 def muon_with_adamw(
     model: nn.Module,
-    lr: float = 0.02,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_bf16: bool = True,
-    weight_decay: float = 0.0,
-    adamw_lr: float = 3e-4,
-    adamw_betas: Sequence[float] = (0.9, 0.95),
-    adamw_eps: float = 1e-8,
-    adamw_weight_decay: float = 0.0,
-    adamw_params: Sequence[str] = ("output.weight",),
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    ns_steps: int,
+    ns_bf16: bool,
+    weight_decay: float,
+    adamw_lr: float,
+    adamw_betas: Sequence[float],
+    adamw_eps: float,
+    adamw_weight_decay: float,
+    adamw_params: Sequence[str],
 ) -> Muon:
     """Muon for the model's hidden matrices, AdamW (lr adamw_lr) for the head, embeddings and 1-D parameters.
 

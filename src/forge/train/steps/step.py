@@ -1,0 +1,41 @@
+"""What the loop asks of a step body, whichever model and layout it runs.
+
+The trainer picks one body when it builds the model (TextStep, VLMStep or PipelineStep) and then, each optimizer
+step, calls `forward_backward` on the step's micro-batches and `clip_grad_norm`; each evaluation calls `evaluate`.
+Both return this rank's (sum of the token losses, labelled tokens): sums, so that `token_mean` adds up the dp
+ranks' and divides once, and the loss is the mean over the global batch's labelled tokens.
+"""
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from forge.data import Batch
+from forge.parallel.mesh import sum_over_dp
+
+
+class Step(Protocol):
+    model: nn.Module
+    """What the optimizer, the checkpoints and the metrics see: the model, or this rank's pipeline stages."""
+
+    def forward_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one optimizer step's micro-batches, the gradients left summed in the parameters
+        as the token mean over every rank's micro-batches; returns this rank's (loss sum, labelled tokens)."""
+        ...
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to a global norm of max_norm (<= 0: only measure it); returns the norm."""
+        ...
+
+    def evaluate(self, batches: Iterable[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain cross-entropy of the batches, without gradients; returns this rank's (loss sum, labelled tokens)."""
+        ...
+
+
+def token_mean(loss_sum: torch.Tensor, tokens: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """The mean token loss over every dp rank, from each rank's (loss sum, labelled tokens): one all-reduce."""
+    totals = sum_over_dp(torch.stack([loss_sum, tokens.to(loss_sum)]), mesh)
+    return totals[0] / totals[1].clamp(min=1)

@@ -1,0 +1,107 @@
+"""Each option's default is written once, and each closed list of choices is listed once.
+
+A config group's schema (config/schema.py) declares its options with their defaults and docstrings; the `_target_`
+it builds takes them as parameters without defaults. Two copies drift (they did: `cache_dir`), so a parameter with
+a default in both fails here. A list of choices that config/validate.py checks is the one the implementing code
+declares, imported, not a second literal.
+"""
+
+import ast
+import dataclasses
+import inspect
+from pathlib import Path
+
+import yaml
+from hydra.utils import get_object
+from omegaconf import MISSING
+
+from forge.config.paths import conf_dir
+from forge.config.schema import SCHEMAS
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "forge"
+
+
+def schema_of(raw: dict) -> type | None:
+    for entry in raw.get("defaults") or []:
+        if isinstance(entry, str) and entry.endswith("@_here_") and entry.lstrip("/").split("@")[0] in SCHEMAS:
+            return SCHEMAS[entry.lstrip("/").split("@")[0]]
+    return None
+
+
+def schema_targets() -> dict[tuple[type, str], Path]:
+    """(schema, _target_) for every conf/ option that builds a forge object, and every schema's own target."""
+    pairs: dict[tuple[type, str], Path] = {}
+    for path in sorted(conf_dir().rglob("*.yaml")):
+        raw = yaml.safe_load(path.read_text()) or {}
+        schema = schema_of(raw)
+        if schema is None:
+            continue
+        target = raw.get("_target_", getattr(schema, "_target_", MISSING))
+        if target != MISSING and target.startswith("forge."):
+            pairs.setdefault((schema, target), path)
+    for schema in SCHEMAS.values():
+        target = getattr(schema, "_target_", MISSING)
+        if target != MISSING and target.startswith("forge."):
+            pairs.setdefault((schema, target), Path("src/forge/config/schema.py"))
+    return pairs
+
+
+def has_default(f: dataclasses.Field) -> bool:
+    return (
+        f.default is not dataclasses.MISSING and f.default != MISSING
+    ) or f.default_factory is not dataclasses.MISSING
+
+
+def test_the_walk_finds_the_targets():
+    targets = {target for _, target in schema_targets()}
+    for expected in (
+        "forge.data.embedded.EmbeddedCorpus",
+        "forge.model.vlm.JointDecoderVLM",
+        "forge.train.losses.CrossEntropyLoss",
+    ):
+        assert expected in targets
+
+
+def test_no_default_is_written_in_a_schema_and_again_in_its_target():
+    twice = []
+    for (schema, target), where in schema_targets().items():
+        built = get_object(target)
+        if isinstance(built, type) and issubclass(schema, built):
+            continue  # the schema is the target's own dataclass (ModelConfig(TransformerArgs)): one declaration
+        if not (built.__init__ if isinstance(built, type) else built).__module__.startswith("forge."):
+            continue  # a package's class (schedulefree's AdamW under a forge subclass): its defaults are not ours
+        parameters = inspect.signature(built).parameters
+        for f in dataclasses.fields(schema):
+            parameter = parameters.get(f.name)
+            declared_here = not f.name.startswith("_") and has_default(f)
+            if declared_here and parameter is not None and parameter.default is not inspect.Parameter.empty:
+                twice.append(f"{target}({f.name}=...) and {schema.__name__}.{f.name} ({where})")
+    assert not twice, "defaults written twice:\n" + "\n".join(twice)
+
+
+def string_collections(tree: ast.AST) -> list[tuple[int, frozenset[str]]]:
+    """Every literal tuple, list or set of two or more strings in a module, and every dict with such keys."""
+    found = []
+    for node in ast.walk(tree):
+        elements = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+        if not isinstance(node, ast.Tuple | ast.List | ast.Set | ast.Dict) or not elements or len(elements) < 2:
+            continue
+        if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in elements):
+            found.append((node.lineno, frozenset(e.value for e in elements)))  # type: ignore[union-attr]
+    return found
+
+
+def test_validation_lists_no_choice_the_code_declares():
+    validate = SRC / "config" / "validate.py"
+    checked = string_collections(ast.parse(validate.read_text()))
+    elsewhere: dict[frozenset[str], str] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        if path != validate:
+            for lineno, choices in string_collections(ast.parse(path.read_text())):
+                elsewhere.setdefault(choices, f"{path.relative_to(SRC.parent)}:{lineno}")
+    repeated = [
+        f"config/validate.py:{lineno} lists {sorted(choices)}, declared in {elsewhere[choices]}"
+        for lineno, choices in checked
+        if choices in elsewhere
+    ]
+    assert not repeated, "\n".join(repeated)
