@@ -102,7 +102,12 @@ CASES = [
     (["train.threads=-3"], 1, ["train.threads=-3 must be >= 0"]),
     (["checkpoint.milestones=[50,500]", "train.steps=100"], 1, ["checkpoint.milestones has 500,", "train.steps=100"]),
     (["checkpoint.milestones=[0]"], 1, ["checkpoint.milestones has 0,"]),
-    (["checkpoint.save_hf=true", "model.qk_norm=true"], 1, ["checkpoint.save_hf=true: model.qk_norm=true has no"]),
+    (
+        ["checkpoint.save_hf=true", "model=moe_tiny", "model.qk_norm=true", "model.moe.num_shared_experts=1"],
+        1,
+        ["checkpoint.save_hf=true: model.moe.num_shared_experts=1", "no Qwen3MoeForCausalLM equivalent"],
+    ),
+    (["model.head_dim=15"], 1, ["model.head_dim=15 must be positive and even for RoPE"]),
     (["checkpoint.save_hf=true", "vlm=joint_decoder", "data=vqa_embedded"], 1, ["save_hf=true exports text"]),
     (["checkpoint.run_lock=maybe"], 1, ["checkpoint.run_lock"]),
     (["parallel.world_size=0"], 1, ["parallel.world_size=0 must be at least 1"]),

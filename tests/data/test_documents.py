@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forge.data.documents import dense_attention_mask, document_ids, flex_block_mask, mask_boundary_labels
+from forge.data.documents import document_ids, mask_boundary_labels
 from forge.data.loader import BatchLoader, TokenWindows
 from forge.model import Transformer, TransformerArgs
+from forge.model.attention import dense_attention_mask, flex_block_mask
 
 EOS = 0
 

@@ -1,7 +1,7 @@
 """Read a model from any supported source and write it to any supported format.
 
 Sources: a run directory (its latest checkpoint), a DCP checkpoint folder, a consolidated torch or safetensors file,
-or a Hugging Face Llama or Mixtral folder. Targets: hf, dcp, torch, safetensors.
+or a Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE folder. Targets: hf, dcp, torch, safetensors.
 """
 
 import dataclasses

@@ -1,10 +1,10 @@
-"""Warm start from a Hugging Face Llama or Mixtral folder straight into a parallelized model.
+"""Warm start from a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE folder straight into a parallelized model.
 
 Each rank reads only the box of every weight it holds (FSDP and TP shards, expert-parallel slices, the blocks of
 its pipeline stages) with safetensors' `get_slice` on the memory-mapped files, and hands the model one unit
 (embedding, one block, norm, head) at a time: no rank reads a tensor it does not hold or builds the whole state
-dict. Names follow forge.checkpoint.hf: both sides use rotate-half RoPE, so q/k need no permutation, and Mixtral's
-per-expert Linears are the transposed slices of our stacked expert weights.
+dict. Names follow forge.checkpoint.hf: both sides use rotate-half RoPE, so q/k need no permutation, and the
+per-expert Linears of Mixtral and Qwen3-MoE are the transposed slices of our stacked expert weights.
 """
 
 import json
@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from forge.checkpoint.errors import CheckpointError
-from forge.checkpoint.hf import forge_to_hf_key, hf_to_forge_key, mixtral_unsupported, read_hf_config
+from forge.checkpoint.hf import forge_to_hf_key, hf_expert, hf_to_forge_key
+from forge.checkpoint.hf_config import QWEN3_MOE, family_of, moe_unsupported, read_hf_config
 from forge.checkpoint.stages import whole_model_keys, whole_model_names
 from forge.model import Transformer, TransformerArgs
 from forge.parallel.init import plain_name
@@ -29,7 +30,6 @@ from forge.parallel.init import plain_name
 log = logging.getLogger("forge")
 
 INDEX = "model.safetensors.index.json"
-_EXPERT_KEY = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}.weight"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer that old Llama exports saved; recomputed from rope_theta
 _BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -133,6 +133,7 @@ _SHAPE_FIELDS = (
 _MOE_FIELDS = (
     _Field("num_experts", "num_local_experts", "model.moe.num_experts"),
     _Field("top_k", "num_experts_per_tok", "model.moe.top_k"),
+    _Field("every", "decoder_sparse_step", "model.moe.every"),
 )
 _SOFT_FIELDS = ("rope_theta", "rope_scaling")  # a longer context changes them on purpose
 
@@ -150,21 +151,28 @@ def check_hf_config(folder: Path, args: TransformerArgs) -> None:
     for f in _SHAPE_FIELDS:
         if getattr(args, f.ours) != getattr(theirs, f.ours):
             raise differs(f.hf, getattr(theirs, f.ours), f.setting, getattr(args, f.ours))
+    if args.head_size != theirs.head_size:
+        raise differs("head_dim", theirs.head_size, "model.head_dim", args.head_size)
+    family = family_of(theirs)
     if (args.moe is None) != (theirs.moe is None):
         ours = "null (a dense model)" if args.moe is None else "set (an MoE model)"
-        raise differs("model_type", "llama" if theirs.moe is None else "mixtral", "model.moe", ours)
-    if args.moe is None and args.hidden_dim != theirs.hidden_dim:
+        raise differs("model_type", family.model_type, "model.moe", ours)
+    if args.qk_norm != theirs.qk_norm:
+        raise differs("model_type", family.model_type, "model.qk_norm", args.qk_norm)
+    has_dense_blocks = args.moe is None or args.moe.every > 1
+    if has_dense_blocks and args.hidden_dim != theirs.hidden_dim:
         raise differs("intermediate_size", theirs.hidden_dim, "model.ffn_dim", args.hidden_dim)
     if args.moe is not None:
-        reason = mixtral_unsupported(args.moe)
+        reason = moe_unsupported(args.moe, family)
         if reason:
-            raise CheckpointError(f"{reason}: Mixtral weights in {folder} do not fit this model")
+            raise CheckpointError(f"{reason}: {family.architecture} weights in {folder} do not fit this model")
         for f in _MOE_FIELDS:
             if getattr(args.moe, f.ours) != getattr(theirs.moe, f.ours):
                 raise differs(f.hf, getattr(theirs.moe, f.ours), f.setting, getattr(args.moe, f.ours))
         expert_dim = args.moe.expert_ffn_dim or args.hidden_dim
         if expert_dim != theirs.moe.expert_ffn_dim:
-            raise differs("intermediate_size", theirs.moe.expert_ffn_dim, "model.moe.expert_ffn_dim", expert_dim)
+            hf_key = "moe_intermediate_size" if family is QWEN3_MOE else "intermediate_size"
+            raise differs(hf_key, theirs.moe.expert_ffn_dim, "model.moe.expert_ffn_dim", expert_dim)
     if args.tie_embeddings and not theirs.tie_embeddings:
         raise differs("tie_word_embeddings", False, "model.tie_embeddings", True)
     soft = [name for name in _SOFT_FIELDS if getattr(args, name) != getattr(theirs, name)]
@@ -191,10 +199,10 @@ def _box(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[slice, ...]]:
 
 def _hf_names(key: str, args: TransformerArgs) -> str | list[str]:
     """The HF tensor our `key` reads (experts: one per expert, each the transpose of a slice)."""
-    parts = key.split(".")
+    family, parts = family_of(args), key.split(".")
     if len(parts) == 5 and parts[2:4] == ["feed_forward", "experts"]:
-        return [_EXPERT_KEY.format(layer=parts[1], expert=e, name=parts[4]) for e in range(args.moe.num_experts)]
-    return forge_to_hf_key(key)
+        return [family.expert_key(parts[1], e, parts[4]) for e in range(args.moe.num_experts)]
+    return forge_to_hf_key(key, family)
 
 
 def _read(weights: HFWeights, key: str, value: torch.Tensor, args: TransformerArgs) -> torch.Tensor:
@@ -229,9 +237,10 @@ def _check_keys(weights: HFWeights, wanted: set[str], known: set[str], exclude: 
     for name in weights.files:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
-        if ".block_sparse_moe.experts." in name:
-            layer, expert_name = name.split(".")[2], name.split(".")[-2]
-            provided.add(f"layers.{layer}.feed_forward.experts.{expert_name}")
+        expert = hf_expert(name)
+        if expert:
+            layer, _, stacked = expert
+            provided.add(f"layers.{layer}.feed_forward.experts.{stacked}")
         else:
             provided.add(hf_to_forge_key(name))
     if "model.embed_tokens.weight" in weights.files:

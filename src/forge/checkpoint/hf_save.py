@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from forge.checkpoint.hf import args_to_hf_config, forge_to_hf_key
+from forge.checkpoint.hf import forge_to_hf_key
+from forge.checkpoint.hf_config import HFFamily, args_to_hf_config, family_of
 from forge.checkpoint.hf_load import decoder_args
 from forge.checkpoint.stages import whole_model_names
 from forge.model import Transformer
@@ -39,15 +40,12 @@ def _is_experts(key: str) -> bool:
     return len(parts) == 5 and parts[2:4] == ["feed_forward", "experts"]
 
 
-def _entries(key: str, shape: torch.Size) -> list[tuple[str, tuple[int, ...]]]:
+def _entries(key: str, shape: torch.Size, family: HFFamily) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of the tensors our `key` becomes: stacked experts one transposed matrix each."""
     if _is_experts(key):
         layer, name = key.split(".")[1], key.split(".")[4]
-        return [
-            (f"model.layers.{layer}.block_sparse_moe.experts.{e}.{name}.weight", (shape[2], shape[1]))
-            for e in range(shape[0])
-        ]
-    return [(forge_to_hf_key(key), tuple(shape))]
+        return [(family.expert_key(layer, e, name), (shape[2], shape[1])) for e in range(shape[0])]
+    return [(forge_to_hf_key(key, family), tuple(shape))]
 
 
 def _header(entries: list[tuple[str, tuple[int, ...]]]) -> bytes:
@@ -119,7 +117,8 @@ def save_hf_from(model: nn.Module, folder: str | Path, tokenizer=None) -> Path:
     if _rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        entries = [entry for key, shape in whole.items() for entry in _entries(key, shape)]
+        family = family_of(args)
+        entries = [entry for key, shape in whole.items() for entry in _entries(key, shape, family)]
         file = open(staging / WEIGHTS, "wb")  # noqa: SIM115 - written across the gather loop below
         file.write(_header(entries))
     try:

@@ -11,10 +11,11 @@ anything is built or loaded, and each changed key is named.
 - Free: everything else (parallel layout, micro-batch, precision, logging, evaluation, checkpointing, resilience).
 """
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from forge.checkpoint.errors import CheckpointError
 
@@ -78,8 +79,26 @@ def _flat(node, prefix: str = "") -> dict[str, object]:
     return {prefix[:-1]: node}
 
 
+def _fill_new_keys(saved: DictConfig, current: DictConfig) -> None:
+    """Give `saved` the schema default of each field of `current`'s schema nodes that it lacks."""
+    schema = OmegaConf.get_type(current)
+    if dataclasses.is_dataclass(schema):
+        for f in dataclasses.fields(schema):
+            declared = f.default is not dataclasses.MISSING and f.default != MISSING
+            interpolated = isinstance(f.default, str) and "${" in f.default
+            if f.name not in saved and declared and not interpolated:
+                saved[f.name] = f.default
+    for key in current:
+        child, old = current._get_node(key), saved.get(key) if key in saved else None
+        if isinstance(child, DictConfig) and isinstance(old, DictConfig) and not child._is_none():
+            _fill_new_keys(old, child)
+
+
 def config_changes(saved: DictConfig, current: DictConfig) -> list[Change]:
-    """Every key whose value differs between the checkpoint's config and this run's, classified."""
+    """Every key whose value differs between the checkpoint's config and this run's, classified. A key that a
+    schema gained after the checkpoint was written counts as its default there (an older run resumes)."""
+    saved = saved.copy()
+    _fill_new_keys(saved, current)
     old = _flat(OmegaConf.to_container(saved, resolve=True))
     new = _flat(OmegaConf.to_container(current, resolve=True))
     is_vlm = current.get("vlm") is not None

@@ -21,6 +21,7 @@ from forge.config.schema import (
     VLMDataConfig,
 )
 from forge.data.vlm.dataset import BAD_MEDIA_POLICIES
+from forge.model.args import ATTENTION_BACKENDS
 from forge.model.moe.layer import AUX_LOSS_SCOPES
 from forge.model.moe.router import ROUTER_KINDS
 from forge.model.vlm.connector import CONNECTORS, POOLING_CONNECTORS
@@ -85,8 +86,12 @@ def validate_model(model: DictConfig) -> None:
     dim, heads, kv = model.dim, model.n_heads, model.n_kv_heads or model.n_heads
     for key in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
         _require(model[key] > 0, f"model.{key}={model[key]} must be positive")
-    _require(dim % heads == 0, f"model.dim={dim} is not divisible by model.n_heads={heads}")
-    _require((dim // heads) % 2 == 0, f"model.dim / model.n_heads = {dim // heads} must be even for RoPE")
+    head_dim = model.get("head_dim")
+    if head_dim is None:
+        _require(dim % heads == 0, f"model.dim={dim} is not divisible by model.n_heads={heads}")
+        _require((dim // heads) % 2 == 0, f"model.dim / model.n_heads = {dim // heads} must be even for RoPE")
+    else:
+        _require(head_dim > 0 and head_dim % 2 == 0, f"model.head_dim={head_dim} must be positive and even for RoPE")
     _require(kv > 0 and heads % kv == 0, f"model.n_heads={heads} is not divisible by model.n_kv_heads={kv}")
     moe = model.get("moe")
     if moe is not None:
@@ -501,6 +506,40 @@ def validate_loss(cfg: DictConfig, degrees: Degrees) -> None:
         _require(degrees.tp == 1, f"{what} is not supported with parallel.tp={degrees.tp} (the head is split)")
 
 
+def validate_attention(cfg: DictConfig, degrees: Degrees) -> None:
+    """model.attention and model.sliding_window (forge.model.attention), and the paths that cannot carry them."""
+    model = cfg.model
+    _one_of("model.attention", model.attention, ATTENTION_BACKENDS)
+    window = model.sliding_window
+    pattern = list(window) if OmegaConf.is_list(window) else [window]
+    _require(
+        bool(pattern) and all(w is None or (type(w) is int and w >= 1) for w in pattern),
+        f"model.sliding_window={window} must be null, a positive int, or a list of positive ints and nulls",
+    )
+    flex, windowed = model.attention == "flex", any(w is not None for w in pattern)
+    if flex:
+        _require(
+            degrees.pp == 1,
+            f"model.attention=flex with parallel.pp={degrees.pp} is not supported: pipeline stages are not built "
+            "with BlockMasks; use model.attention=sdpa or parallel.pp=1",
+        )
+        cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+        _require(
+            not (cpu and cfg.parallel.compile),
+            "model.attention=flex with parallel.compile=true is not supported on CPU: inductor's CPU flex kernel has "
+            "no backward in torch 2.13; use parallel.compile=false",
+        )
+    _require(
+        cfg.get("vlm") is None or not (flex or windowed),
+        "model.attention=flex and model.sliding_window are not supported with a VLM (its decoder builds dense masks "
+        "of its own); use model.attention=sdpa and model.sliding_window=null",
+    )
+    _require(
+        not (windowed and cfg.checkpoint.get("save_hf")),
+        "checkpoint.save_hf=true with model.sliding_window is not supported: the Hugging Face export has no window",
+    )
+
+
 def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     """Check every rule; return the resolved parallel degrees. Raises ConfigError naming the keys."""
     validate_top_level(cfg)
@@ -526,4 +565,5 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_fault_injection(cfg, world_size)
     validate_vlm(cfg, degrees)
     validate_loss(cfg, degrees)
+    validate_attention(cfg, degrees)
     return degrees

@@ -6,6 +6,7 @@ import torch
 from forge.data.documents import document_ids, mask_boundary_labels
 from forge.data.order import EpochOrder
 from forge.data.sources import DataError
+from forge.model.attention import DocumentMask
 
 
 def split_sample(samples: torch.Tensor, document_eos: int | None):
@@ -130,9 +131,8 @@ def eval_batches(
 
 
 def batch_to_device(batch: tuple[torch.Tensor, ...], device: torch.device):
-    """(inputs, labels, attn_mask or None) on `device`; the dense document mask is built when doc_ids are present."""
-    from forge.data.documents import dense_attention_mask
-
+    """(inputs, labels, attn_mask or None) on `device`: with doc_ids, a DocumentMask, from which the model builds
+    each layer's mask for its attention kernel (a dense one for SDPA, a BlockMask for flex)."""
     inputs, labels = batch[0].to(device), batch[1].to(device)
-    attn_mask = dense_attention_mask(batch[2].to(device)) if len(batch) > 2 else None
+    attn_mask = DocumentMask(batch[2].to(device)) if len(batch) > 2 else None
     return inputs, labels, attn_mask

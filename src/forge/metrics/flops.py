@@ -53,7 +53,7 @@ def is_moe_block(args: TransformerArgs, layer_id: int) -> bool:
 
 def count_flops_per_token(args: TransformerArgs, seq_len: int) -> FlopsPerToken:
     """Forward FLOPs per token of a model built from `args`, on sequences of seq_len tokens."""
-    q_width, kv_width = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    q_width, kv_width = args.n_heads * args.head_size, args.kv_heads * args.head_size
     projections = 2 * args.dim * (2 * q_width + 2 * kv_width)
     scores = 2 * 2 * q_width * seq_len
     moe_blocks = sum(is_moe_block(args, i) for i in range(args.n_layers))

@@ -1,7 +1,7 @@
 """Arguments of the Llama-style decoder. Plain dataclasses: the config schema extends them."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -54,6 +54,10 @@ class MoEArgs:
     of one matmul chain per expert."""
 
 
+ATTENTION_BACKENDS = ("sdpa", "flex")
+"""TransformerArgs.attention's choices (forge.model.attention runs them)."""
+
+
 @dataclass
 class TransformerArgs:
     """Shape and initialisation of a Llama-style decoder."""
@@ -63,9 +67,12 @@ class TransformerArgs:
     n_layers: int = 4
     """Number of transformer blocks."""
     n_heads: int = 8
-    """Query heads; dim must be divisible by n_heads."""
+    """Query heads; dim must be divisible by n_heads unless head_dim is set."""
     n_kv_heads: Optional[int] = None
     """Key/value heads (None = n_heads: MHA; 1: MQA; otherwise GQA). Must divide n_heads."""
+    head_dim: Optional[int] = None
+    """Width of one attention head; None = dim // n_heads. Qwen3 sets it apart from the width (0.6B: dim 1024, 16
+    heads of 128), so q/k/v project to n_heads x head_dim and wo back to dim."""
     vocab_size: int = 8192
     """Rows of the embedding and the output head."""
     ffn_dim: Optional[int] = None
@@ -92,10 +99,20 @@ class TransformerArgs:
     """Scale the std of output projections (wo, w2) by 1/sqrt(2 * n_layers)."""
     moe: Optional[MoEArgs] = None
     """None for a dense model, else the mixture-of-experts settings."""
+    attention: str = "sdpa"
+    """Attention kernel: sdpa (dense boolean masks for documents and windows) or flex (FlexAttention over a block
+    sparse BlockMask, compiled: no (seq, seq) mask, masked-out blocks skipped). torch 2.13 has no flex backward on
+    CPU: training there runs flex's unfused reference (slow, (seq, seq) scores per head); CPU evaluation and CUDA
+    run the compiled kernel. Generation with a KV cache runs SDPA either way; VLMs take sdpa only."""
+    sliding_window: Any = None
+    """None: full causal attention. An int w: each query attends to at most w keys, itself and the w - 1 before it
+    (Mistral). A list is cycled over the layers, layer i taking entry i % len, null meaning full: [4096, null]
+    alternates sliding and full layers (gpt-oss, Gemma 2), five 1024s and a null is Gemma 3's 5:1."""
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        """The width of one attention head the model is built with: head_dim, or dim // n_heads when unset."""
+        return self.head_dim or self.dim // self.n_heads
 
     @property
     def kv_heads(self) -> int:

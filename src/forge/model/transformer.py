@@ -7,10 +7,10 @@ embedding, final norm and output head may be None on a stage that holds only a s
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from forge.model.args import TransformerArgs
+from forge.model.attention import DocumentMask, Mask, attend, layer_masks, layer_window
 from forge.model.feed_forward import FeedForward
 from forge.model.init_spec import ONES, InitSpec, apply_specs, fill_piece_, prefixed, trunc_normal
 from forge.model.moe import MoE
@@ -46,11 +46,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings through SDPA."""
+    """Grouped-query attention with rotary embeddings, through SDPA or FlexAttention (forge.model.attention)."""
 
     def __init__(self, args: TransformerArgs):
         super().__init__()
-        self.head_dim = args.head_dim
+        self.head_dim = args.head_size
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
@@ -63,7 +63,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: Mask = None,
         cache: KVCache | None = None,
         layer_id: int = 0,
     ) -> torch.Tensor:
@@ -78,11 +78,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.update(layer_id, k, v)
-        gqa = q.shape[1] != k.shape[1]
-        if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+        out = attend(q, k, v, attn_mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
@@ -116,7 +112,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: Mask = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         # cache and layer_id by keyword: the tensor-parallel plan lays out the four positional inputs.
@@ -148,7 +144,7 @@ class Transformer(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
+        cos, sin = rope_tables(args.head_size, args.max_seq_len, args.rope_theta, args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -207,7 +203,7 @@ class Transformer(nn.Module):
 
     def init_buffers(self) -> None:
         args = self.args
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
+        cos, sin = rope_tables(args.head_size, args.max_seq_len, args.rope_theta, args.rope_scaling)
         with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
@@ -245,7 +241,7 @@ class Transformer(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | DocumentMask | None = None,
         cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
         head: bool = True,
@@ -253,7 +249,8 @@ class Transformer(nn.Module):
         """tokens (batch, seq) ids -> logits (batch, seq, vocab); hidden states on a stage without a head.
 
         attn_mask: optional boolean (batch, 1, seq, seq), True where attention is allowed (already causal); with a
-        cache it spans (batch, 1, seq, cached + seq).
+        cache it spans (batch, 1, seq, cached + seq). Or the DocumentMask of packed samples, from which each layer's
+        mask is built for args.attention and the layer's sliding window (forge.model.attention).
         cache: a KVCache to read past keys/values from and append these positions to (incremental decoding).
         positions: optional (batch, seq) rotary positions; default cache.length + 0..seq-1 (0.. without a cache).
         head: False returns the final-norm hidden states instead of logits (a chunked loss applies the head).
@@ -270,8 +267,11 @@ class Transformer(nn.Module):
                 past = cache.length
                 keys = torch.arange(past + seq, device=h.device)
                 attn_mask = (keys[None, :] <= past + torch.arange(seq, device=h.device)[:, None])[None, None]
-        for block in self.layers.values():
-            h = block(h, cos, sin, attn_mask, cache)
+        windows = {key: layer_window(self.args.sliding_window, int(key)) for key in self.layers}
+        flex = self.args.attention == "flex"
+        masks = layer_masks(attn_mask, windows.values(), flex, h.shape[0], seq, h.device)
+        for key, block in self.layers.items():
+            h = block(h, cos, sin, masks[windows[key]], cache)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None and head else h

@@ -13,7 +13,7 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
         full checkpointing:  T x [L_r x d + (7 d + 2 kv + 4 f) + head] x bytes / tp
       where L_r are the rank's blocks, d the model width, kv the key/value width, f the MLP hidden width (in an
       MoE block the hidden width each token passes through: expert size x (top_k + shared experts), averaged over
-      the blocks),
+      the blocks); a model.head_dim that sets the query width q apart from d counts 4 d + 3 q in place of 7 d,
       head = 2 d + 4 V on the last stage (final norm input and output, the logits, their fp32 log-softmax, and
       at the start of backward the gradients of both),
       bytes = 2 under bf16 autocast, 4 in fp32. Per block, autograd keeps: the two norms' inputs and outputs (4 d),
@@ -76,20 +76,22 @@ def ffn_token_width(args) -> float:
 
 def block_activation_elems(args) -> float:
     """Elements autograd keeps per token for one block (see the module docstring)."""
-    return 7 * args.dim + 2 * args.kv_heads * args.head_dim + 4 * ffn_token_width(args)
+    q_width = args.n_heads * args.head_size  # dim unless model.head_dim sets the heads apart from the width
+    return 4 * args.dim + 3 * q_width + 2 * args.kv_heads * args.head_size + 4 * ffn_token_width(args)
 
 
 def block_gather_params(args, degrees: Degrees) -> float:
     """Parameters of the largest block that FSDP all-gathers (an upper bound: GQA has fewer). An MoE block's
     expert weights are gathered only over dp_shard / ep ranks, and only this rank's E / ep experts."""
-    dense = 4 * args.dim * args.dim + 3 * args.dim * args.hidden_dim
+    attention = 4 * args.dim * args.n_heads * args.head_size
+    dense = attention + 3 * args.dim * args.hidden_dim
     moe = args.moe
     if moe is None:
         return dense
     expert = moe.expert_ffn_dim or args.hidden_dim
     shared = 3 * args.dim * expert * moe.num_shared_experts + args.dim * moe.num_experts
     experts = 3 * args.dim * expert * moe.num_experts / degrees.ep if degrees.dp_shard > degrees.ep else 0
-    return max(dense, 4 * args.dim * args.dim + shared + experts)
+    return max(dense, attention + shared + experts)
 
 
 def estimate_memory(

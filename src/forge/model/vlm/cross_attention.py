@@ -17,12 +17,12 @@ class GatedCrossAttentionBlock(nn.Module):
     def __init__(self, args: TransformerArgs):
         super().__init__()
         self.n_heads = args.n_heads
-        self.head_dim = args.head_dim
+        self.head_dim = args.head_size
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_size, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_heads * args.head_size, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_heads * args.head_size, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_size, args.dim, bias=False)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
         self.attn_gate = nn.Parameter(torch.zeros(1))

@@ -1,0 +1,222 @@
+"""Hugging Face config.json <-> forge model args, for the four transformers architectures forge's decoder is.
+
+Which one a model is follows from two settings: an MoE model is `MixtralForCausalLM` or, with per-head q/k norms
+(`model.qk_norm=true`), `Qwen3MoeForCausalLM`; a dense one is `LlamaForCausalLM` or, with q/k norms,
+`Qwen3ForCausalLM`. All four use rotate-half RoPE, SwiGLU and RMSNorm (the q/k norms too: over head_dim, before
+RoPE, with the model's eps), bias-free projections and an explicit `head_dim`. Their MoE routers are softmax
+top-k; Qwen3-MoE renormalises the k weights only under `norm_topk_prob` (forge always does). Settings one side
+cannot express are refused with a CheckpointError naming them, never dropped.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forge.checkpoint.errors import CheckpointError
+from forge.model.args import MoEArgs, RopeScalingArgs, TransformerArgs
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """One transformers architecture, and where its MoE blocks keep their router and experts."""
+
+    architecture: str
+    model_type: str
+    moe_module: str = ""
+    """Module of an MoE block's `gate` and `experts` (block_sparse_moe in Mixtral, mlp in Qwen3-MoE)."""
+    expert_names: dict[str, str] = field(default_factory=dict)
+    """Our stacked expert weight -> the name of each expert's Linear."""
+
+    def expert_key(self, layer: str | int, expert: int, name: str) -> str:
+        return f"model.layers.{layer}.{self.moe_module}.experts.{expert}.{self.expert_names[name]}.weight"
+
+
+LLAMA = HFFamily("LlamaForCausalLM", "llama")
+QWEN3 = HFFamily("Qwen3ForCausalLM", "qwen3")
+MIXTRAL = HFFamily("MixtralForCausalLM", "mixtral", "block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"})
+QWEN3_MOE = HFFamily("Qwen3MoeForCausalLM", "qwen3_moe", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
+FAMILIES = {f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)}
+
+
+def family_of(args: TransformerArgs) -> HFFamily:
+    if args.moe is not None:
+        return QWEN3_MOE if args.qk_norm else MIXTRAL
+    return QWEN3 if args.qk_norm else LLAMA
+
+
+def moe_unsupported(moe: MoEArgs, family: HFFamily = MIXTRAL) -> str | None:
+    """The first MoE setting `family` cannot express, as `model.moe.X=value (why)`; None if all fit."""
+    name = "Mixtral" if family is MIXTRAL else "Qwen3-MoE"
+    if moe.router != "softmax_topk":
+        return f"model.moe.router={moe.router} ({name} routes with softmax_topk)"
+    if moe.num_shared_experts:
+        return f"model.moe.num_shared_experts={moe.num_shared_experts} ({name} has no shared experts)"
+    if moe.every != 1 and family is MIXTRAL:
+        return f"model.moe.every={moe.every} (every Mixtral block is an MoE block)"
+    if moe.capacity_factor > 0:
+        return f"model.moe.capacity_factor={moe.capacity_factor} ({name} drops no tokens)"
+    return None
+
+
+def args_to_hf_config(args: TransformerArgs) -> dict:
+    """config.json of the transformers model (see the module docstring for which) equal to a model of `args`."""
+    family = family_of(args)
+    window = getattr(args, "sliding_window", None)
+    if window is not None:
+        raise CheckpointError(f"model.sliding_window={window} has no {family.architecture} equivalent (full attention)")
+    config = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_size,
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if family is LLAMA:
+        config |= {"attention_bias": False, "mlp_bias": False}
+    if family in (QWEN3, QWEN3_MOE):
+        config |= {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+    if args.moe is not None:
+        reason = moe_unsupported(args.moe, family)
+        if reason:
+            raise CheckpointError(
+                f"{reason} has no {family.architecture} equivalent; this MoE model cannot be exported to Hugging Face"
+            )
+    if family is MIXTRAL:
+        config |= {
+            "intermediate_size": args.moe.expert_ffn_dim or args.hidden_dim,
+            "num_local_experts": args.moe.num_experts,
+            "num_experts_per_tok": args.moe.top_k,
+            "sliding_window": None,
+            "router_jitter_noise": 0.0,
+        }
+    elif family is QWEN3_MOE:
+        config |= {
+            "moe_intermediate_size": args.moe.expert_ffn_dim or args.hidden_dim,
+            "num_experts": args.moe.num_experts,
+            "num_experts_per_tok": args.moe.top_k,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": args.moe.every,
+            "mlp_only_layers": [],
+        }
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_seq_len,
+        }
+    return config
+
+
+def _rope(config: dict) -> tuple[float, RopeScalingArgs | None]:
+    """(rope_theta, Llama-3 scaling) from a config's rope_scaling / rope_parameters (transformers 5 writes the
+    latter, with rope_theta inside)."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or None
+    rope_theta = config.get("rope_theta") or (scaling or {}).get("rope_theta", 10000.0)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "llama3":
+        return rope_theta, RopeScalingArgs(
+            factor=scaling["factor"],
+            low_freq_factor=scaling["low_freq_factor"],
+            high_freq_factor=scaling["high_freq_factor"],
+            original_max_seq_len=scaling["original_max_position_embeddings"],
+        )
+    if kind != "default":  # linear, dynamic, yarn, ...: positions would silently differ
+        raise CheckpointError(f"rope_type {kind!r} is not supported (default and llama3 only)")
+    return rope_theta, None
+
+
+def _qwen3_moe_args(config: dict) -> MoEArgs:
+    if config.get("mlp_only_layers"):
+        raise CheckpointError(
+            f"mlp_only_layers={config['mlp_only_layers']} is not supported (forge places dense blocks by "
+            "decoder_sparse_step only: model.moe.every)"
+        )
+    if not config.get("norm_topk_prob", False):
+        raise CheckpointError(
+            "norm_topk_prob=false is not supported (forge's softmax_topk router renormalises the k weights)"
+        )
+    return MoEArgs(
+        num_experts=config["num_experts"] if "num_experts" in config else config["num_local_experts"],
+        top_k=config["num_experts_per_tok"],
+        expert_ffn_dim=config["moe_intermediate_size"],
+        every=config.get("decoder_sparse_step", 1),
+        router="softmax_topk",
+    )
+
+
+def hf_config_to_args(config: dict) -> TransformerArgs:
+    """Our model args from a Llama, Mixtral, Qwen3 or Qwen3-MoE config.json."""
+    model_type = config.get("model_type") or LLAMA.model_type
+    if model_type not in FAMILIES:
+        raise CheckpointError(f"model_type {model_type!r} is not supported ({', '.join(FAMILIES)} only)")
+    family = FAMILIES[model_type]
+    qwen = family in (QWEN3, QWEN3_MOE)
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise CheckpointError(f"{flag}=true is not supported (forge's projections have no bias)")
+    sliding = config.get("use_sliding_window" if qwen else "sliding_window")
+    if sliding or "sliding_attention" in (config.get("layer_types") or []):
+        raise CheckpointError(f"sliding_window={config.get('sliding_window')} is not supported (full attention only)")
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config.get("head_dim")
+    if head_dim and head_dim * heads == hidden:
+        head_dim = None  # the width follows from dim / n_heads, as in every Llama preset
+    rope_theta, rope_scaling = _rope(config)
+    moe = None
+    if family is MIXTRAL:
+        moe = MoEArgs(
+            num_experts=config["num_local_experts"],
+            top_k=config["num_experts_per_tok"],
+            expert_ffn_dim=config["intermediate_size"],
+            router="softmax_topk",
+        )
+    elif family is QWEN3_MOE:
+        moe = _qwen3_moe_args(config)
+    return TransformerArgs(
+        dim=hidden,
+        n_layers=config["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=config.get("num_key_value_heads", heads),
+        head_dim=head_dim,
+        vocab_size=config["vocab_size"],
+        ffn_dim=config["intermediate_size"],
+        norm_eps=config.get("rms_norm_eps", 1e-6 if qwen else 1e-5),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        qk_norm=qwen,
+        tie_embeddings=config.get("tie_word_embeddings", False),
+        moe=moe,
+    )
+
+
+def read_hf_config(config_file: Path) -> TransformerArgs:
+    """Our model args from a config.json; a file that is not JSON or not a config of these models is named."""
+    kinds = "Llama, Mixtral, Qwen3 or Qwen3-MoE"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file}:{err.lineno}: not valid JSON ({err.msg})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{config_file} is not a text file (not valid UTF-8)") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} is not a Llama or Mixtral config, nor a Qwen3 one (a JSON object)")
+    try:
+        return hf_config_to_args(config)
+    except KeyError as err:
+        raise CheckpointError(f"{config_file} lacks {err.args[0]!r}, which a {kinds} config has") from None
+    except (TypeError, ValueError, ZeroDivisionError) as err:
+        raise CheckpointError(f"{config_file} is not a usable {kinds} config ({err})") from None

@@ -1,0 +1,137 @@
+"""The attention kernels (TransformerArgs.attention) and the masks each takes.
+
+One rule says which keys a query sees (`allowed`): itself and earlier keys, in the same document of a packed
+sample, at most `window` keys back. `dense_attention_mask` evaluates it on the whole (seq, seq) grid for SDPA;
+`flex_block_mask` hands it to a compiled create_block_mask, which never holds that grid, for flex_attention, which
+skips the blocks the rule rules out. A layer's mask is None (plain causal SDPA), a boolean tensor (SDPA) or a
+BlockMask (flex): `attend` runs the kernel the mask is for.
+
+torch 2.13's flex_attention has no backward on CPU (its front end refuses, and inductor's CPU kernel is inference
+only). With autograd on CPU, `attend` therefore runs FlexAttention's own eager operator: the same BlockMask and
+mask function, unfused, holding (batch, heads, seq, seq) scores. CUDA, and CPU without autograd, run the compiled
+kernel.
+"""
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+Mask = torch.Tensor | BlockMask | None
+"""One layer's mask: None (causal), a boolean (batch, 1, queries, keys) tensor, True where allowed, or a BlockMask."""
+
+
+@dataclass(frozen=True)
+class DocumentMask:
+    """Attention within the documents of packed samples, as (batch, seq) document ids (forge.data.documents): the
+    model builds each layer's mask from them, for its kernel and its sliding window."""
+
+    doc_ids: torch.Tensor
+
+
+def layer_window(sliding_window: int | list[int | None] | None, layer_id: int) -> int | None:
+    """Layer `layer_id`'s window under TransformerArgs.sliding_window (a list is cycled over the layers)."""
+    if sliding_window is None or isinstance(sliding_window, int):
+        return sliding_window
+    return sliding_window[layer_id % len(sliding_window)]
+
+
+def allowed(doc_ids: torch.Tensor, window: torch.Tensor) -> Callable:
+    """The mask function (b, h, q, kv) -> bool: kv at most `window` - 1 positions before q, in q's document.
+
+    The window is a tensor (a full-length one when there is none) and the document ids always exist (zeros without
+    documents), so that every mask is one compiled graph of create_block_mask and flex_attention.
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        back = q_idx - kv_idx
+        return (back >= 0) & (back < window) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return mask_mod
+
+
+def _window_tensor(window: int | None, seq: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(seq if window is None else window, device=device)
+
+
+def dense_attention_mask(doc_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Boolean (B, 1, S, S) mask for SDPA, True where `allowed`."""
+    batch, seq = doc_ids.shape
+    device = doc_ids.device
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    pos = torch.arange(seq, device=device)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    rule = allowed(doc_ids, _window_tensor(window, seq, device))
+    return rule(b, zero, pos.view(1, 1, seq, 1), pos.view(1, 1, 1, seq))
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn)
+
+
+def flex_block_mask(doc_ids: torch.Tensor, window: int | None = None, block_size: int = 128) -> BlockMask:
+    """FlexAttention BlockMask of `allowed`, built by a compiled create_block_mask (the eager one would evaluate
+    the rule on the whole (B, S, S) grid at once)."""
+    batch, seq = doc_ids.shape
+    rule = allowed(doc_ids, _window_tensor(window, seq, doc_ids.device))
+    return _compiled(create_block_mask)(rule, batch, None, seq, seq, device=doc_ids.device, BLOCK_SIZE=block_size)
+
+
+def within_window(queries: int, keys: int, window: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, queries, keys): True where a key is fewer than `window` positions before the query, the queries
+    being the last `queries` of the keys (decoding with a cache)."""
+    query_pos = torch.arange(keys - queries, keys, device=device)
+    return (query_pos[:, None] - torch.arange(keys, device=device)[None, :] < window)[None, None]
+
+
+def layer_masks(
+    mask: torch.Tensor | DocumentMask | None,
+    windows: Iterable[int | None],
+    flex: bool,
+    batch: int,
+    queries: int,
+    device: torch.device,
+) -> dict[int | None, Mask]:
+    """The mask of each distinct window, built once per forward: from a DocumentMask (or plain causal, None) for
+    the kernel (flex: a BlockMask, else dense); an explicit dense mask (generation) is narrowed to each window and
+    stays dense, so SDPA runs it under either kernel."""
+    masks: dict[int | None, Mask] = {}
+    for window in set(windows):
+        if isinstance(mask, torch.Tensor):
+            masks[window] = mask if window is None else mask & within_window(queries, mask.shape[-1], window, device)
+        elif mask is None and window is None and not flex:
+            masks[window] = None  # SDPA's own causal mask
+        else:
+            doc_ids = mask.doc_ids if mask is not None else torch.zeros(batch, queries, dtype=torch.long, device=device)
+            masks[window] = flex_block_mask(doc_ids, window) if flex else dense_attention_mask(doc_ids, window)
+    return masks
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+    """Attention of (batch, heads, seq, head_dim) queries over (batch, kv heads, keys, head_dim) keys and values
+    (grouped when there are fewer kv heads) under one layer's mask, by the kernel that mask is for."""
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, BlockMask):
+        if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return _flex_reference(q, k, v, mask)
+        return _compiled(flex_attention)(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _no_score_mod(score, b, h, q_idx, kv_idx):
+    return score
+
+
+def _flex_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    """flex_attention's operator, called eagerly (its math implementation, with a backward on any device) past the
+    front-end check that refuses CPU autograd; it expands grouped kv heads itself."""
+    options = {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}  # the backward needs the logsumexp
+    out, _, _ = flex_attention_op(q, k, v, _no_score_mod, mask.as_tuple(), q.shape[-1] ** -0.5, options)
+    return out
