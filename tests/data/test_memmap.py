@@ -59,16 +59,14 @@ def test_vocab_mismatch_missing_and_corrupt_shards_are_named(prepared):
 
 def test_a_shard_with_out_of_vocabulary_bytes_is_named_when_its_sample_is_read(prepared):
     """Same size, so the shard loads; the trainer's windows check each sample against data.vocab_size."""
-    from forge.config import compose
-    from forge.train.build import split_windows
+    from forge.data.token_corpus import windows_of_split
 
     shard = prepared / "shard_00001.npy"
     tokens = np.load(shard)
     tokens[5] = 65000  # not a GPT-2 id (uint16 still holds it)
     np.save(shard, tokens)
     corpus = MemmapCorpus(**options(MemmapDataConfig, path=str(prepared), vocab_size=50257))
-    cfg = compose(["data=memmap", f"data.path={prepared}", "data.vocab_size=50257", "train.seq_len=64"])
-    windows = split_windows(corpus.train_tokens, cfg, "training")
+    windows = windows_of_split(corpus.train_tokens, 64, 50257, "training", str(prepared))
     first_of_shard_1 = len(np.load(prepared / "shard_00000.npy"))
     bad = (first_of_shard_1 + 5) // 64
     assert windows[bad - 1] is not None

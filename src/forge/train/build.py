@@ -8,8 +8,6 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from forge.data import Corpus, Loader
-from forge.data.loader import TokenWindows
-from forge.data.token_corpus import windows_of_split
 from forge.model import Transformer, TransformerArgs
 from forge.train.optim import param_groups
 
@@ -57,14 +55,6 @@ def build_loss(cfg: DictConfig):
 
 def build_corpus(cfg: DictConfig) -> Corpus:
     return instantiate(cfg.data)
-
-
-def split_windows(tokens, cfg: DictConfig, split: str) -> TokenWindows:
-    """The samples of one split of a token array at train.seq_len, checked against data.vocab_size."""
-    data = cfg.data
-    path = data.path if "path" in data else None
-    fraction = data.val_fraction if "val_fraction" in data else None
-    return windows_of_split(tokens, cfg.train.seq_len, data.get("vocab_size"), split, path, fraction)
 
 
 def build_loader(cfg: DictConfig, corpus: Corpus, dp_rank: int, dp_size: int) -> Loader:
