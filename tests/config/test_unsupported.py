@@ -16,7 +16,6 @@ CASES = {  # name -> (overrides, world size)
     "tp+moe": (["parallel=tp2", "model=moe_tiny"], 2),
     "tp+pp": (["parallel=pp2", "parallel.tp=2"], 4),
     "fp8+tp": (["parallel=tp2", "parallel.fp8=true"], 2),
-    "pp+tie_embeddings": (["parallel=pp2", "model=llama3_1b"], 2),  # the shipped preset is tied
     "pp+document_masking": (["parallel=pp2", "data.document_masking=true"], 2),
 }
 
@@ -51,7 +50,7 @@ def test_the_plan_refuses(name):
         plan_report(compose([*overrides, f"parallel.world_size={world}"]))
 
 
-@pytest.mark.parametrize("name", ["fp8+tp", "pp+tie_embeddings"])
+@pytest.mark.parametrize("name", ["fp8+tp", "pp+document_masking"])
 def test_plan_refuses_with_one_line(name, tmp_path):
     """The command line of two of the cases (each costs a process; the plan's refusal of all is checked above)."""
     overrides, world = CASES[name]
@@ -63,10 +62,10 @@ def test_plan_refuses_with_one_line(name, tmp_path):
 @pytest.mark.dist
 def test_torchrun_refuses_before_a_process_group(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "forge.train",
-           *CASES["pp+tie_embeddings"][0], f"hydra.run.dir={tmp_path}"]  # fmt: skip
+           *CASES["pp+document_masking"][0], f"hydra.run.dir={tmp_path}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     refusals = [line for line in proc.stderr.splitlines() if "invalid config" in line]
     # the first rank to refuse ends the job; torchrun may stop the other before it prints its own refusal
-    assert 1 <= len(refusals) <= 2 and "model.tie_embeddings=true" in refusals[0], proc.stderr[-3000:]
+    assert 1 <= len(refusals) <= 2 and "data.document_masking=true" in refusals[0], proc.stderr[-3000:]
     assert "forge/" not in proc.stderr.replace("-m forge.train", "")  # no frame of ours (torchrun reports its own)

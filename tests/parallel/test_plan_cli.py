@@ -102,3 +102,15 @@ def test_checkpointing_shrinks_the_activation_estimate():
     mem = estimate_memory(args, Degrees(1, 1, 1, 1, 1), 10**9, 32, True, 1, 8192, 1.0, 2)
     assert mem.activations_checkpointed < 0.3 * mem.activations  # the 128k-vocab head stays
     assert torch.tensor(mem.peak(True)) < mem.peak(False)
+
+
+def test_plan_of_tied_embeddings_on_four_stages_names_the_gradient_exchange():
+    """The shipped llama3_1b (tied) on pp 4 x FSDP 16: the first and last stage's group is created as a run would,
+    and the line states the bytes of the embedding gradient each of them all-reduces per step."""
+    cfg = compose(["model=llama3_1b", "parallel=pp2_fsdp", "parallel.pp=4", "parallel.world_size=64",
+                   "train.global_batch_size=256"])  # fmt: skip
+    text = plan_report(cfg)
+    line = next(line for line in text.splitlines() if line.startswith("tied embeddings"))
+    assert "stages 0 and 3" in line
+    vocab, dim = cfg.model.vocab_size, cfg.model.dim
+    assert f"{vocab * dim // 16:,} elements" in line  # this rank's FSDP shard of the matrix

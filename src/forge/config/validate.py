@@ -188,9 +188,6 @@ UNSUPPORTED = (
     ("tp+pp", lambda c, d: d.tp > 1 and d.pp > 1, "pipeline stages are not tensor-parallel yet; use one of the two"),
     ("fp8+tp", lambda c, d: c.parallel.fp8 and d.tp > 1,
      "float8 needs float8 tensor-parallel styles, which are not implemented; use parallel.tp=1 with fp8"),
-    ("pp+tie_embeddings", lambda c, d: d.pp > 1 and c.model.get("tie_embeddings", False),
-     "the first and last stage would each need the shared embedding; use model.tie_embeddings=false or "
-     "parallel.pp=1"),
     ("pp+document_masking", lambda c, d: d.pp > 1 and c.data.get("document_masking", False),
      "pipeline stages do not pass the document mask between them; use data.document_masking=false or "
      "parallel.pp=1"),
@@ -206,7 +203,6 @@ def unsupported_keys(name: str, cfg: DictConfig, degrees: Degrees) -> str:
         "qk_norm": "model.qk_norm=true",
         "moe": "an MoE model (model.moe is set)",
         "fp8": "parallel.fp8=true",
-        "tie_embeddings": "model.tie_embeddings=true",
         "document_masking": "data.document_masking=true",
     }
     return " with ".join(values[part] for part in name.split("+"))

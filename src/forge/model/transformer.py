@@ -143,6 +143,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # False on a later pipeline stage that holds the tied embedding only as its head (its input is hidden states)
+        self.embeds_tokens = True
         self.tie_weights()
         cos, sin = rope_tables(args.head_size, args.max_seq_len, args.rope_theta, args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -255,7 +257,7 @@ class Transformer(nn.Module):
         positions: optional (batch, seq) rotary positions; default cache.length + 0..seq-1 (0.. without a cache).
         head: False returns the final-norm hidden states instead of logits (a chunked loss applies the head).
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None and self.embeds_tokens else tokens
         seq = h.shape[1]
         if positions is None and cache is None:
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]

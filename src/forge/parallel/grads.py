@@ -1,5 +1,7 @@
 """Gradient handling that differs under sharding: reduction during accumulation, and the global norm."""
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -13,7 +15,12 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm(
+    model: nn.Module,
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None = None,
+    counted_elsewhere: Iterable[torch.Tensor] = (),
+) -> torch.Tensor:
     """Clip to the global norm over all shards (max_norm <= 0 only measures it); returns it as a plain tensor.
 
     The norm is summed, in float64, from each rank's local squares, all-reduced over the mesh dimensions a
@@ -21,15 +28,19 @@ def clip_grad_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGrou
     placements at a time: a few collectives per step, no host sync. float32 norms of large gradients are off by
     up to ~2e-4 relative on the CPU (seen on an 8192 x 64 head), differently for a whole matrix and its shards;
     one tensor at a time is upcast, so the extra memory is one local gradient. With pipeline parallelism each
-    rank holds other parameters, so the squares are summed over `pp_group` too. Expert gradients live on another
+    rank holds other parameters, so the squares are summed over `pp_group` too; `counted_elsewhere` are clipped
+    but left out of this rank's squares (a tied embedding that two stages hold). Expert gradients live on another
     mesh than the rest; grouping by mesh covers them.
     """
     params = [p for p in model.parameters() if p.grad is not None]
     _reduce_partial_grads(params)
     groups = _group_by_layout(params)
+    skip = {id(p) for p in counted_elsewhere}
     squared = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else None)
     for (mesh, placements), group in groups.items():
-        squared = squared + _squared_sum(group, mesh, placements)
+        counted = [p for p in group if id(p) not in skip]
+        if counted:
+            squared = squared + _squared_sum(counted, mesh, placements)
     if pp_group is not None:
         dist.all_reduce(squared, group=pp_group)
     norm = squared.sqrt().float()

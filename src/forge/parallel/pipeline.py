@@ -8,6 +8,12 @@ compile, FSDP over dp_shard) then applies to each stage module as it would to a 
 
 Every pp rank reads the same batch: the first stage feeds the tokens, the last computes the loss against the
 labels. The schedules split the batch into `parallel.microbatches` chunks and average the chunks' gradients.
+
+Tied embeddings (model.tie_embeddings, as Llama 3.2 1B): the first and the last stage each hold the embedding matrix,
+under its one name `tok_embeddings.weight` (the last stage uses it only as its head). Both start from the same
+values (initial values are a function of the name), and after backward each gets the sum of the two stages'
+gradients (one all-reduce of this rank's shard between the two ranks), so both take the same optimizer steps and
+stay equal, bit for bit, as Megatron-LM keeps its embedding group. The gradient norm counts the matrix once.
 """
 
 import copy
@@ -19,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
 
 from forge.config.degrees import Degrees
 from forge.config.schema import PP_SCHEDULES
@@ -40,17 +47,19 @@ def stage_layers(n_layers: int, n_stages: int) -> list[list[str]]:
 
 
 def build_stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
-    """A copy of `model` (meta device) that keeps only stage `stage` of `n_stages`."""
-    if model.args.tie_embeddings:
-        raise NotImplementedError("parallel.pp > 1 with model.tie_embeddings=true is not supported")
+    """A copy of `model` (meta device) that keeps only stage `stage` of `n_stages`. With tied embeddings the last
+    stage keeps the embedding module as its head's matrix (not to embed: its input is the previous stage's)."""
     part = copy.deepcopy(model)
     keep = set(stage_layers(len(model.layers), n_stages)[stage])
     for key in list(part.layers.keys()):
         if key not in keep:
             del part.layers[key]
+    last = stage == n_stages - 1
     if stage != 0:
-        part.tok_embeddings = None
-    if stage != n_stages - 1:
+        part.embeds_tokens = False
+        if not (last and model.args.tie_embeddings):
+            part.tok_embeddings = None
+    if not last:
         part.norm = None
         part.output = None
     return part
@@ -71,6 +80,24 @@ class Pipeline:
     microbatches: int
     applied: list[Applied] = field(default_factory=list)
     """What the plan applied on this rank, in order: each stage's split and then its own plan, then the schedule."""
+    tied_group: dist.ProcessGroup | None = None
+    """With tied embeddings, on the ranks of the first and the last stage: the two of them."""
+
+    @property
+    def tied(self) -> list[torch.Tensor]:
+        """The tied embedding matrix on this rank's first or last stage (empty without tied embeddings)."""
+        if self.tied_group is None:
+            return []
+        return [part.tok_embeddings.weight for part in self.parts if part.tok_embeddings is not None]
+
+    @property
+    def counted_elsewhere(self) -> list[torch.Tensor]:
+        """Parameters whose gradient another pp rank counts in the global norm: the last stage's tied matrix."""
+        return [
+            part.tok_embeddings.weight
+            for part in self.parts
+            if part.tok_embeddings is not None and not part.embeds_tokens
+        ]
 
     @property
     def model(self) -> nn.Module:
@@ -106,6 +133,14 @@ class Pipeline:
             for param in part.parameters():
                 if param.grad is not None:
                     param.grad.div_(steps * self.microbatches)
+
+    @torch.no_grad()
+    def sum_tied_grads(self) -> None:
+        """Give the tied embedding on the first and on the last stage the sum of both stages' gradients (this
+        rank's shard of it: the two stages shard it alike)."""
+        for param in self.tied:
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            dist.all_reduce(grad, group=self.tied_group)
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """The last stage's value of a scalar, on every pp rank."""
@@ -150,7 +185,29 @@ def build_pipeline(
     )
     detail = f"pipeline: {n_stages} stages on {pp} ranks, {cls.__name__} schedule, {microbatches} microbatches"
     applied.append(logged(Applied("pp", detail, {"pp": pp})))
-    return Pipeline(parts, schedule, group, 0 in stage_ids, n_stages - 1 in stage_ids, pp, microbatches, applied)
+    has_first, has_last = 0 in stage_ids, n_stages - 1 in stage_ids
+    tied_group = None
+    if model.args.tie_embeddings:
+        tied_group = first_and_last_group(mesh, pp_mesh)  # every rank takes part in creating it
+        detail = f"tied embeddings: stages 0 and {n_stages - 1} each hold the matrix; gradients summed between them"
+        applied.append(logged(Applied("pp", detail, {"pp": pp})))
+    pipeline = Pipeline(parts, schedule, group, has_first, has_last, pp, microbatches, applied)
+    pipeline.tied_group = tied_group if has_first or has_last else None
+    return pipeline
+
+
+def first_and_last_group(mesh: DeviceMesh, pp_mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The group of this pipeline's first and last pp rank (the pp group itself when pp = 2). Every rank creates
+    the group of every pipeline, in the same order, as new_group requires."""
+    if pp_mesh.size() == 2:
+        return pp_mesh.get_group()
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), -1).reshape(-1, pp_mesh.size()).tolist()
+    mine = None
+    for row in ranks:
+        group = dist.new_group([row[0], row[-1]])
+        if dist.get_rank() in row:
+            mine = group
+    return mine
 
 
 def materialize_stages(parts: list[nn.Module], plain: Transformer, seed: int, device) -> None:

@@ -133,7 +133,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
     from forge.metrics.flops import count_flops_per_token
     from forge.model.moe import moe_layers
     from forge.parallel.mesh import build_mesh, mesh_shape
-    from forge.parallel.pipeline import build_stage_module, stages_per_rank
+    from forge.parallel.pipeline import build_stage_module, first_and_last_group, stages_per_rank
     from forge.parallel.plan import count_local_parameters, parallelize
     from forge.train import build
 
@@ -163,6 +163,14 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         for part in parts:
             compute = "bf16" if train.dtype in ("auto", "bf16") else "fp32"  # auto is bf16 on GPUs
             applied += parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute)
+        if degrees.pp > 1 and args.tie_embeddings:
+            first_and_last_group(mesh, mesh["pp"])  # the groups a real run creates, on every rank
+            shard = count_local_parameters(parts[0].tok_embeddings)
+            lines.append(
+                f"tied embeddings: stages 0 and {n_stages - 1} each hold the {args.vocab_size} x {args.dim} matrix; "
+                f"each step the two all-reduce its gradient ({shard:,} elements, {4 * shard / 2**20:.1f} MiB fp32 "
+                "per rank)"
+            )
         local = sum(count_local_parameters(p) for p in parts)
         local_experts = sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p))
         rank_blocks = sum(len(p.layers) for p in parts)

@@ -38,10 +38,11 @@ class PipelineStep:
                 loss_sum += self.pipeline.step(inputs, labels)  # the mean over the schedule's chunks
             tokens += (labels != IGNORE_INDEX).sum()
         self.pipeline.average_grads(len(batches))
+        self.pipeline.sum_tied_grads()
         return self.pipeline.from_last_stage(loss_sum) / len(batches) * tokens, tokens
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm(self.model, max_norm, self.pipeline.group)
+        return clip_grad_norm(self.model, max_norm, self.pipeline.group, self.pipeline.counted_elsewhere)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
