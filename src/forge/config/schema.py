@@ -12,6 +12,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from forge.model.args import TransformerArgs
+from forge.search.settings import SearchSettings
 from forge.train.losses import ChunkedCrossEntropyLoss, CrossEntropyLoss
 
 
@@ -603,6 +604,11 @@ class HFDataConfig:
     """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""
 
 
+@dataclass
+class SearchConfig(SearchSettings):
+    """`forge-train --plan --search`: the device the layouts are searched for (forge.search)."""
+
+
 SCHEMAS: dict[str, type] = {
     "model_schema": ModelConfig,
     "parallel_schema": ParallelConfig,
@@ -631,6 +637,7 @@ SCHEMAS: dict[str, type] = {
     "memmap_data_schema": MemmapDataConfig,
     "mixture_data_schema": MixtureDataConfig,
     "hf_data_schema": HFDataConfig,
+    "search_schema": SearchConfig,
 }
 
 

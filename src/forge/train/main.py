@@ -57,6 +57,11 @@ def _task(cfg: DictConfig) -> None:
     try:
         check_output_dir()
         fit_defaults_to_run(cfg)
+        if PLAN_ONLY and cfg.get("search") is not None:
+            from forge.search.report import search_report
+
+            print(search_report(cfg), flush=True)
+            return
         if PLAN_ONLY:
             from forge.train.plan_report import print_plan
 

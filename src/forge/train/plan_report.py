@@ -306,15 +306,28 @@ def _fit_global_batch(cfg: DictConfig, world_size: int) -> list[str]:
 
 
 def take_plan_flag(argv: list[str]) -> bool:
-    """Remove `--plan` and `--materialize` from argv in place (Hydra must not see them); True when `--plan` was
-    there. `--materialize` sets MATERIALIZE, which print_plan reads; without `--plan` it is refused."""
+    """Remove `--plan`, `--materialize`, `--search` and `--search-top K` from argv in place (Hydra must not see
+    them); True when `--plan` was there. `--materialize` sets MATERIALIZE, which print_plan reads; `--search`
+    selects the `search` config group (so `search.device=h200` can follow) and `--search-top K` sets search.top;
+    without `--plan` each is refused."""
     global MATERIALIZE
-    if "--materialize" in argv:
-        if "--plan" not in argv:
-            print("forge-train: --materialize works only with --plan", file=sys.stderr)
+    for flag in ("--materialize", "--search", "--search-top"):
+        if flag in argv and "--plan" not in argv:
+            print(f"forge-train: {flag} works only with --plan", file=sys.stderr)
             sys.exit(2)
+    if "--materialize" in argv:
         MATERIALIZE = True
         argv[:] = [a for a in argv if a != "--materialize"]
+    if "--search-top" in argv:
+        at = argv.index("--search-top")
+        if at + 1 == len(argv) or not argv[at + 1].isdigit():
+            print("forge-train: --search-top takes a number of rows, e.g. --search-top 10", file=sys.stderr)
+            sys.exit(2)
+        argv[at : at + 2] = [f"search.top={argv[at + 1]}", "--search"]
+    if "--search" in argv:
+        argv[:] = [a for a in argv if a != "--search"]
+        if not any(a.startswith(("search=", "+search=")) for a in argv):
+            argv.insert(1, "search=default")
     if "--plan" not in argv:
         return False
     argv[:] = [a for a in argv if a != "--plan"]

@@ -1,0 +1,1 @@
+"""`forge-train --plan --search`: every valid layout of a world size, its predicted memory and step time, ranked."""

@@ -1,0 +1,240 @@
+"""The cost model of one layout: peak memory per rank and the time of one optimizer step, term by term.
+
+Per optimizer step, on the busiest rank (the pipeline rank with the most work), with T = global batch x seq_len
+tokens, dp = dp_replicate x dp_shard, n micro-batches of each dp rank's share, and F the forward FLOPs per token of
+the rank's blocks (and head, on the last stage) from forge.metrics.flops:
+
+    compute    = 3 F x T / dp / tp / (peak x compute_efficiency)
+    recompute  = F_blocks x T / dp / tp / (peak x efficiency) under full checkpointing (one more forward); a tenth
+                 of that under selective (the cheap ops recomputed)
+    fsdp       = n x (dp_shard - 1) / dp_shard x P_stage / tp x (2 gathers x param bytes + 4 reduce bytes) / link;
+                 routed experts: their E / ep on this rank, over the dp_shard / ep ranks that share them
+    replicate  = (n, or 1 without FSDP) x 2 (r - 1) / r x 4 P_rank / link: the gradient all-reduce over dp_replicate
+    exposed dp = max(0, fsdp + replicate - compute - recompute) + one block's gather per micro-batch: FSDP prefetch
+                 and the backward hide the rest
+    tp         = n x blocks x (4, or 6 with full checkpointing) all-reduces of micro x seq_len x dim activations,
+                 2 (tp - 1) / tp of them per rank, not hidden
+    ep         = n x MoE blocks x (4, or 6) all-to-alls of micro x seq_len x top_k x dim, (ep - 1) / ep of them
+    pp p2p     = 2 x T / dp x dim activations sent and received per stage boundary
+    bubble     = (compute + recompute) x (pp - 1) / microbatches (/ 2 for interleaved 1F1B's two stages per rank)
+    latency    = every collective's launch (10 us inside a node, 30 us across)
+
+Links: a mesh dimension whose ranks span at most gpus_per_node consecutive ranks uses the intra-node bandwidth,
+else the inter-node one (mesh order pp, dp_replicate, dp_shard, tp: tp innermost; ep is the inner part of
+dp_shard). Peak memory per rank is forge.train.plan_report.estimate_memory's, the one `--plan` prints.
+"""
+
+from dataclasses import dataclass
+
+from forge.config.degrees import Degrees
+from forge.metrics.flops import count_flops_per_token, is_moe_block
+from forge.parallel.pipeline import stage_layers, stages_per_rank
+from forge.search.devices import Device
+from forge.search.settings import SearchSettings
+from forge.train.plan_report import estimate_memory
+
+LATENCY_S = {"intra": 10e-6, "inter": 30e-6}
+SELECTIVE_RECOMPUTE = 0.1
+"""Share of a forward the selective mode recomputes (norms, activations, rope: memory-bound, no matmuls)."""
+TERMS = ("compute", "recompute", "exposed_dp", "tp", "ep", "pp_p2p", "bubble", "latency")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search: the parallel degrees, the pipeline schedule, checkpointing and micro-batch."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    ep: int
+    activation_checkpoint: str
+    micro_batch_size: int
+    pp_schedule: str = "1f1b"
+    microbatches: int = 1
+    """Pipeline chunks of each micro-batch (1 without pp)."""
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.dp_replicate, self.dp_shard, self.tp, self.pp, self.ep)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def overrides(self) -> list[str]:
+        """Command-line overrides that select this layout."""
+        out = [
+            f"parallel.dp_replicate={self.dp_replicate}",
+            f"parallel.dp_shard={self.dp_shard}",
+            f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.ep={self.ep}",
+        ]
+        if self.pp > 1:
+            out += [f"parallel.pp_schedule={self.pp_schedule}", f"parallel.microbatches={self.microbatches}"]
+        return [*out, f"parallel.activation_checkpoint={self.activation_checkpoint}",
+                f"train.micro_batch_size={self.micro_batch_size}"]  # fmt: skip
+
+    def short(self) -> str:
+        parts = [f"{name}{size}" for name, size in zip(("rep", "shard", "tp", "pp", "ep"), self.degrees_tuple())]
+        if self.pp > 1:
+            parts.append(f"{self.pp_schedule}/{self.microbatches}")
+        return " ".join(parts) + f" ac={self.activation_checkpoint} mb={self.micro_batch_size}"
+
+    def degrees_tuple(self) -> tuple[int, ...]:
+        return self.dp_replicate, self.dp_shard, self.tp, self.pp, self.ep
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory: float
+    """Peak bytes per rank (the busiest pipeline rank)."""
+    seconds: dict[str, float]
+    """Each term of the step time (TERMS)."""
+    tokens: int
+    """Tokens per optimizer step."""
+    flops: float
+    """Model FLOPs per optimizer step (all ranks, no recompute)."""
+
+    @property
+    def step(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def dominant(self) -> str:
+        return max(self.seconds, key=self.seconds.get)
+
+
+@dataclass
+class ModelShape:
+    """What the cost model reads of a model: its arguments and the parameters of each part."""
+
+    args: object
+    block_params: list[int]
+    expert_params: list[int]
+    """Of each block's parameters, its routed experts' (0 in a dense block)."""
+    embedding: int
+    head: int
+    """Head and final norm (0 for a tied head, which is the embedding)."""
+
+    @classmethod
+    def of(cls, model) -> "ModelShape":
+        """From a model on the meta device."""
+        from forge.model.moe import moe_layers
+
+        blocks = [sum(p.numel() for p in block.parameters()) for block in model.layers.values()]
+        experts = [
+            sum(p.numel() for _, layer in moe_layers(block) for p in layer.experts.parameters())
+            for block in model.layers.values()
+        ]
+        embedding = model.tok_embeddings.weight.numel()
+        head = model.norm.weight.numel() + (0 if model.args.tie_embeddings else model.output.weight.numel())
+        return cls(model.args, blocks, experts, embedding, head)
+
+
+class Links:
+    """Bandwidth and latency of each mesh dimension's collectives."""
+
+    def __init__(self, layout: Layout, device: Device, settings: SearchSettings):
+        intra = settings.intra_node_gbps * 1e9 if settings.intra_node_gbps else device.intra_node
+        inter = settings.inter_node_gbps * 1e9 if settings.inter_node_gbps else device.inter_node
+        per_node = settings.gpus_per_node
+        tp, shard, rep = layout.tp, layout.dp_shard, layout.dp_replicate
+        spans = {"tp": tp, "ep": tp * layout.ep, "dp_shard": tp * shard, "dp_replicate": tp * shard * rep,
+                 "pp": tp * layout.dp * layout.pp}  # fmt: skip
+        self.kind = {dim: "intra" if span <= per_node else "inter" for dim, span in spans.items()}
+        self.bandwidth = {dim: (intra if kind == "intra" else inter) * settings.comm_efficiency
+                          for dim, kind in self.kind.items()}  # fmt: skip
+
+    def seconds(self, dim: str, nbytes: float, calls: float) -> tuple[float, float]:
+        """(transfer seconds, launch latency seconds) of `calls` collectives moving `nbytes` per rank in all."""
+        return nbytes / self.bandwidth[dim], calls * LATENCY_S[self.kind[dim]]
+
+
+def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settings: SearchSettings,
+            dtype: str = "bf16") -> Prediction:  # fmt: skip
+    """Memory and step time of `layout` for a model of `shape` trained with `cfg_train` (seq_len, global batch)."""
+    args, degrees = shape.args, layout.degrees
+    seq, batch = cfg_train.seq_len, cfg_train.global_batch_size
+    act_bytes = 2 if dtype == "bf16" else 4
+    peak = device.peak_flops(dtype) * settings.compute_efficiency
+    links = Links(layout, device, settings)
+    flops = count_flops_per_token(args, seq)
+    per_block = (flops.forward - flops.head) / args.n_layers  # MoE blocks counted at their mean
+    n_stages = layout.pp * stages_per_rank(layout.pp_schedule) if layout.pp > 1 else 1
+    stages = stage_layers(args.n_layers, n_stages)
+    tokens_dp = batch * seq / layout.dp
+    n_micro = batch // layout.dp // layout.micro_batch_size
+    micro_tokens = layout.micro_batch_size * seq
+
+    worst: tuple[float, dict, float] | None = None
+    for pp_rank in range(layout.pp):
+        mine = [s for s in range(n_stages) if s % layout.pp == pp_rank]
+        blocks = [int(b) for s in mine for b in stages[s]]
+        first, last = 0 in mine, n_stages - 1 in mine
+        params = sum(shape.block_params[b] for b in blocks)
+        params += shape.embedding if first or (last and args.tie_embeddings) else 0
+        params += shape.head if last else 0
+        local = params / layout.tp / layout.dp_shard
+        in_flight = 1.0
+        if layout.pp > 1:
+            in_flight = (layout.microbatches if layout.pp_schedule == "gpipe"
+                         else min(layout.microbatches, layout.pp)) / layout.microbatches  # fmt: skip
+        mem = estimate_memory(args, degrees, local, len(blocks), last, layout.micro_batch_size, seq, in_flight,
+                              act_bytes)  # fmt: skip
+        memory = mem.peak(layout.activation_checkpoint == "full")
+        block_flops = per_block * len(blocks) * tokens_dp / layout.tp
+        forward = block_flops + (flops.head * tokens_dp / layout.tp if last else 0)
+        t = {term: 0.0 for term in TERMS}
+        t["compute"] = 3 * forward / peak
+        if layout.activation_checkpoint == "full":
+            t["recompute"] = block_flops / peak
+        elif layout.activation_checkpoint == "selective":
+            t["recompute"] = SELECTIVE_RECOMPUTE * block_flops / peak
+        busy = t["compute"] + t["recompute"]
+        latency = 0.0
+        hidden = 0.0
+        if layout.dp_shard > 1:
+            experts = sum(shape.expert_params[b] for b in blocks)
+            expert_group = layout.dp_shard // layout.ep  # the ranks that share this rank's experts
+            gathered = (layout.dp_shard - 1) / layout.dp_shard * (params - experts) / layout.tp
+            gathered += (expert_group - 1) / expert_group * experts / layout.ep
+            moved = n_micro * gathered * (2 * act_bytes + 4)
+            seconds, lat = links.seconds("dp_shard", moved, n_micro * 3 * len(blocks))
+            hidden += seconds
+            latency += lat
+            t["exposed_dp"] += seconds / max(3 * len(blocks), 1)  # each micro-batch's first gather
+        if layout.dp_replicate > 1:
+            syncs = n_micro if layout.dp_shard > 1 else 1
+            moved = syncs * 2 * (layout.dp_replicate - 1) / layout.dp_replicate * 4 * local
+            seconds, lat = links.seconds("dp_replicate", moved, syncs * len(blocks))
+            hidden += seconds
+            latency += lat
+        t["exposed_dp"] += max(0.0, hidden - busy)
+        per_tp = 6 if layout.activation_checkpoint == "full" else 4
+        if layout.tp > 1:
+            moved = n_micro * len(blocks) * per_tp * 2 * (layout.tp - 1) / layout.tp * micro_tokens * args.dim
+            seconds, lat = links.seconds("tp", moved * act_bytes, n_micro * len(blocks) * per_tp)
+            t["tp"] = seconds
+            latency += lat
+        if layout.ep > 1 and args.moe is not None:
+            moe_blocks = sum(is_moe_block(args, b) for b in blocks)
+            moved = n_micro * moe_blocks * per_tp * (layout.ep - 1) / layout.ep * micro_tokens * args.moe.top_k
+            seconds, lat = links.seconds("ep", moved * args.dim * act_bytes, n_micro * moe_blocks * per_tp)
+            t["ep"] = seconds
+            latency += lat
+        if layout.pp > 1:
+            seconds, lat = links.seconds("pp", 2 * tokens_dp * args.dim * act_bytes, 2 * n_micro * layout.microbatches)
+            t["pp_p2p"] = seconds
+            latency += lat
+            t["bubble"] = busy * (layout.pp - 1) / layout.microbatches / stages_per_rank(layout.pp_schedule)
+        t["latency"] = latency
+        total = sum(t.values())
+        if worst is None or total > worst[2] or (total == worst[2] and memory > worst[0]):
+            worst = (max(memory, worst[0]) if worst else memory, t, total)
+        else:
+            worst = (max(memory, worst[0]), worst[1], worst[2])
+    memory, seconds, _ = worst
+    return Prediction(layout, memory, seconds, batch * seq, flops.training * batch * seq)

@@ -1,0 +1,40 @@
+"""What the search assumes of one accelerator: its memory and the bandwidth of the links inside and across nodes.
+
+Peak FLOP/s come from forge.metrics.peak's table (one place for them). Memory is what torch reports as the device's
+total; bandwidths are per GPU and per direction, in bytes per second: NVLink (or Infinity Fabric) inside a node, the
+node's network (InfiniBand / RoCE) divided over its GPUs across nodes.
+"""
+
+from dataclasses import dataclass
+
+from forge.metrics.peak import table_peak
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    """The peak table's name (forge.metrics.peak.PEAK_TFLOPS)."""
+    memory_gib: float
+    intra_node: float
+    """Bytes/s per GPU inside a node."""
+    inter_node: float
+    """Bytes/s per GPU across nodes."""
+
+    def peak_flops(self, dtype: str) -> float:
+        flops = table_peak(self.name, dtype)
+        if flops is None:
+            raise ValueError(f"no peak FLOP/s for {self.name} in {dtype}")
+        return flops
+
+
+DEVICES = {
+    "h100": Device("H100", 79.6, 450 * GB, 50 * GB),  # NVLink 4 (900 GB/s both ways), 8 x 400 Gb/s NICs
+    "h200": Device("H200", 139.8, 450 * GB, 50 * GB),
+    "a100": Device("A100", 79.2, 300 * GB, 25 * GB),  # NVLink 3, 8 x 200 Gb/s NICs
+    "b200": Device("B200", 178.4, 900 * GB, 50 * GB),  # NVLink 5
+    "mi300x": Device("MI300X", 178.8, 448 * GB, 50 * GB),  # Infinity Fabric, 7 links x 64 GB/s
+}
+"""By the name `search.device` takes."""

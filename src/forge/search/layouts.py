@@ -1,0 +1,57 @@
+"""Every layout of a world size the search considers: the degrees that multiply to it and suit the model, then
+the pipeline schedules and chunks, activation checkpointing modes and micro-batch sizes of each.
+
+A layout here is only a candidate: forge.config.validate (the same checks as a run) passes every row shown.
+"""
+
+from collections.abc import Iterator
+
+from forge.config.schema import ACTIVATION_CHECKPOINT_MODES, PP_SCHEDULES
+from forge.parallel.pipeline import stages_per_rank
+from forge.search.cost import Layout
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [2**k for k in range(limit.bit_length()) if 2**k <= limit]
+
+
+def layouts(args, world_size: int, global_batch: int, gpus_per_node: int, max_micro: int) -> Iterator[Layout]:
+    """Candidates for a model of `args`: tp within a node and dividing the (key/value) heads, pp dividing the
+    blocks (dense models only), ep dividing the experts and dp_shard (MoE only, without tp), every split of the
+    data-parallel ranks into dp_replicate x dp_shard, micro-batches dividing each rank's share of the batch."""
+    moe = args.moe
+    for tp in divisors(world_size):
+        if tp > gpus_per_node or args.n_heads % tp or args.kv_heads % tp or (moe is not None and tp > 1):
+            continue
+        for pp in divisors(world_size // tp):
+            if args.n_layers % pp or (moe is not None and pp > 1):
+                continue
+            dp = world_size // tp // pp
+            if global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            for dp_replicate in divisors(dp):
+                dp_shard = dp // dp_replicate
+                eps = [e for e in divisors(dp_shard) if moe.num_experts % e == 0] if moe is not None else [1]
+                for ep in eps:
+                    for micro in powers_of_two(min(per_rank, max_micro)):
+                        if per_rank % micro:
+                            continue
+                        yield from _with_schedules(args, dp_replicate, dp_shard, tp, pp, ep, micro)
+
+
+def _with_schedules(args, dp_replicate, dp_shard, tp, pp, ep, micro) -> Iterator[Layout]:
+    for mode in ACTIVATION_CHECKPOINT_MODES:
+        if pp == 1:
+            yield Layout(dp_replicate, dp_shard, tp, pp, ep, mode, micro)
+            continue
+        for schedule in PP_SCHEDULES:
+            if args.n_layers % (pp * stages_per_rank(schedule)):
+                continue
+            for chunks in (pp, 2 * pp, 4 * pp):
+                if micro % chunks == 0:
+                    yield Layout(dp_replicate, dp_shard, tp, pp, ep, mode, micro, schedule, chunks)

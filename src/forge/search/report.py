@@ -1,0 +1,111 @@
+"""The table `forge-train --plan --search` prints, and the winner as overrides for the next command."""
+
+import copy
+import math
+
+from omegaconf import DictConfig
+
+from forge.config import ConfigError, validate
+from forge.search.cost import ModelShape, Prediction, predict
+from forge.search.devices import DEVICES, GIB
+from forge.search.layouts import layouts
+from forge.search.settings import SearchSettings
+
+
+def settings_of(cfg: DictConfig) -> SearchSettings:
+    node = cfg.search
+    return SearchSettings(**{key: node[key] for key in node if not str(key).startswith("_")})
+
+
+def search(cfg: DictConfig) -> tuple[list[Prediction], int, list[str]]:
+    """Every candidate layout that fits in memory, fastest first; how many were considered; notes."""
+    from forge.train import build
+
+    settings = settings_of(cfg)
+    if settings.device not in DEVICES:
+        raise ConfigError(f"search.device={settings.device!r} is not one of {', '.join(DEVICES)}")
+    device = DEVICES[settings.device]
+    world = cfg.parallel.world_size or 1
+    notes = []
+    train = cfg.train
+    if train.global_batch_size % world:
+        fitted = math.ceil(train.global_batch_size / world) * world
+        notes.append(f"note: train.global_batch_size={train.global_batch_size} raised to {fitted} for the search "
+                     "(a multiple of the world size: every data-parallel degree divides it)")  # fmt: skip
+        train.global_batch_size = fitted
+    memory = (settings.memory_gib or device.memory_gib) * GIB * (1 - settings.memory_headroom)
+    shape = ModelShape.of(build.build_meta_model(cfg))
+    dtype = "fp32" if train.dtype == "fp32" else "bf16"
+    considered, fitting = 0, []
+    for layout in layouts(shape.args, world, train.global_batch_size, settings.gpus_per_node,
+                          settings.max_micro_batch_size):  # fmt: skip
+        considered += 1
+        prediction = predict(layout, shape, train, device, settings, dtype)
+        if prediction.memory <= memory:
+            fitting.append(prediction)
+    fitting.sort(key=lambda p: (p.step, p.memory, p.layout.pp_schedule == "gpipe"))  # ties: 1F1B holds less
+    return fitting, considered, notes
+
+
+def valid(cfg: DictConfig, prediction: Prediction) -> str | None:
+    """None when validation accepts the layout on cfg, else its message."""
+    candidate = copy.deepcopy(cfg)
+    layout = prediction.layout
+    for key, value in zip(("dp_replicate", "dp_shard", "tp", "pp", "ep"), layout.degrees_tuple()):
+        candidate.parallel[key] = value
+    candidate.parallel.activation_checkpoint = layout.activation_checkpoint
+    if layout.pp > 1:
+        candidate.parallel.pp_schedule, candidate.parallel.microbatches = layout.pp_schedule, layout.microbatches
+    candidate.train.micro_batch_size = layout.micro_batch_size
+    try:
+        validate(candidate, cfg.parallel.world_size or 1)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def search_report(cfg: DictConfig) -> str:
+    settings = settings_of(cfg)
+    device = DEVICES.get(settings.device)
+    fitting, considered, notes = search(cfg)
+    world = cfg.parallel.world_size or 1
+    memory = settings.memory_gib or device.memory_gib
+    lines = [f"search: {considered} layouts of {world} ranks considered, {len(fitting)} fit in "
+             f"{memory:.1f} GiB x {1 - settings.memory_headroom:.2f} per {settings.device}", *notes]  # fmt: skip
+    shown: list[Prediction] = []
+    refused = 0
+    for prediction in fitting:
+        if len(shown) == settings.top:
+            break
+        if valid(cfg, prediction) is None:
+            shown.append(prediction)
+        else:
+            refused += 1
+    if not shown:
+        lines.append("no layout fits: a larger world, a smaller micro-batch or sequence, or more device memory")
+        return "\n".join(lines)
+    if refused:
+        lines.append(f"({refused} faster layouts skipped: validation refuses them)")
+    peak = device.peak_flops("fp32" if cfg.train.dtype == "fp32" else "bf16")
+    header = f"{'#':>2}  {'layout':<52} {'GiB/rank':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6}  dominant"
+    lines += [header]
+    for i, p in enumerate(shown, 1):
+        mfu = p.flops / p.step / world / peak
+        lines.append(f"{i:>2}  {p.layout.short():<52} {p.memory / GIB:>8.1f} {p.step:>8.3f} "
+                     f"{p.tokens / p.step:>10,.0f} {mfu:>6.1%}  {p.dominant}")  # fmt: skip
+    winner = shown[0]
+    lines.append("winner: " + " ".join(winner.layout.overrides()))
+    runner_up = next((p for p in fitting if p.layout.degrees != winner.layout.degrees and valid(cfg, p) is None), None)
+    if runner_up is not None:
+        lines.append(why_slower(runner_up, winner))
+    lines.append("cost model: forge.search.cost (predicted, not measured)")
+    return "\n".join(lines)
+
+
+def why_slower(runner_up: Prediction, winner: Prediction) -> str:
+    """The fastest layout of other degrees than the winner's, and the terms that cost it the most over it."""
+    gaps = {term: runner_up.seconds[term] - winner.seconds[term] for term in winner.seconds}
+    worst = sorted((term for term in gaps if gaps[term] > 0), key=gaps.get, reverse=True)[:2]
+    terms = ", ".join(f"{t} {runner_up.seconds[t]:.3f} s against {winner.seconds[t]:.3f} s" for t in worst)
+    pct = runner_up.step / winner.step - 1
+    return f"runner-up (other degrees): {runner_up.layout.short()}, {pct:.1%} slower: {terms}"

@@ -1,0 +1,28 @@
+"""The options of `--plan --search` (the `search` config group extends this as its schema)."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class SearchSettings:
+    device: str = "h100"
+    """The accelerator, a name of forge.search.devices.DEVICES: h100, h200, a100, b200, mi300x."""
+    memory_gib: Optional[float] = None
+    """Device memory per GPU in GiB; null: the device's."""
+    gpus_per_node: int = 8
+    """GPUs per node: a mesh dimension whose ranks fit in one node uses the intra-node link."""
+    intra_node_gbps: Optional[float] = None
+    """GB/s per GPU and direction inside a node; null: the device's (NVLink)."""
+    inter_node_gbps: Optional[float] = None
+    """GB/s per GPU and direction across nodes; null: the device's (the network)."""
+    compute_efficiency: float = 0.5
+    """Fraction of the peak FLOP/s the matmuls reach."""
+    comm_efficiency: float = 0.7
+    """Fraction of a link's bandwidth a collective reaches."""
+    memory_headroom: float = 0.1
+    """Fraction of device memory kept free (allocator fragmentation, CUDA context, NCCL buffers)."""
+    max_micro_batch_size: int = 16
+    """Largest micro-batch size tried (powers of two that divide each rank's share of the global batch)."""
+    top: int = 5
+    """Rows of the table (each checked by validation)."""

@@ -1,0 +1,111 @@
+"""`forge-train --plan --search`: the rows are the fastest predicted layouts that validation accepts, the memory
+column is `--plan`'s estimate, and each term of the cost model moves the way its formula says."""
+
+import dataclasses
+import re
+import subprocess
+
+import pytest
+
+from forge.config import compose, validate
+from forge.search.cost import Layout, ModelShape, predict
+from forge.search.devices import DEVICES, GIB
+from forge.search.report import search, search_report, settings_of, valid
+from forge.train import build
+from forge.train.plan_report import plan_report
+from tests.conftest import ROOT, forge_cmd
+
+
+def searched(*overrides: str):
+    return compose(["search=default", *overrides])
+
+
+def test_rows_are_the_fastest_layouts_validation_accepts():
+    """A MoE model on 8 ranks: every candidate validated one by one; the table lists the first valid ones in the
+    predicted order, and the refused ones (EP with selective checkpointing, among others) never appear."""
+    cfg = searched("model=moe_tiny", "parallel.world_size=8", "search.top=6")
+    fitting, considered, _ = search(cfg.copy())
+    accepted = [p for p in fitting if valid(cfg, p) is None]
+    assert len(accepted) < len(fitting) <= considered  # some candidates are refused
+    refused = [p.layout for p in fitting if valid(cfg, p) is not None]
+    assert any(layout.ep > 1 and layout.activation_checkpoint == "selective" for layout in refused)
+    text = search_report(cfg)
+    rows = [line for line in text.splitlines() if re.match(r"\s*\d+\s+rep", line)]
+    assert [row.split(maxsplit=1)[1][:52].strip() for row in rows] == [p.layout.short() for p in accepted[:6]]
+
+
+def test_the_winner_passes_validation_as_the_overrides_it_prints():
+    cfg = searched("model=llama_tiny", "parallel.world_size=8", "train.global_batch_size=64")
+    text = search_report(cfg)
+    winner = next(line for line in text.splitlines() if line.startswith("winner: ")).split()[1:]
+    degrees = validate(compose(["model=llama_tiny", "parallel.world_size=8", "train.global_batch_size=64", *winner]))
+    assert degrees.world_size == 8
+    assert "runner-up (other degrees)" in text
+
+
+@pytest.mark.parametrize(
+    ("model", "world", "layout"),
+    [
+        ("llama3_8b", 16, Layout(1, 8, 2, 1, 1, "none", 1)),
+        ("llama3_70b", 64, Layout(4, 4, 4, 1, 1, "full", 4)),
+        ("llama3_1b", 8, Layout(1, 2, 1, 4, 1, "none", 8, "interleaved_1f1b", 8)),  # tied, pipelined
+    ],
+)
+def test_memory_is_the_plans_estimate(model, world, layout):
+    """The search counts each rank's parameters from the blocks' sizes; `--plan` shards the meta model under the
+    fake process group. Both give rank 0's peak (rank 0: the first stage, the busiest without a head)."""
+    cfg = searched(f"model={model}", f"parallel.world_size={world}", "train.global_batch_size=64", *layout.overrides())
+    planned = plan_report(cfg.copy())
+    peak = float(re.search(r"peak ([\d.]+) GiB without checkpointing, ([\d.]+) GiB with", planned).group(
+        2 if layout.activation_checkpoint == "full" else 1))  # fmt: skip
+    settings = settings_of(cfg)
+    shape = ModelShape.of(build.build_meta_model(cfg))
+    got = predict(layout, shape, cfg.train, DEVICES["h100"], settings).memory / GIB
+    if layout.pp == 1:
+        assert got == pytest.approx(peak, rel=0.01, abs=0.01)
+    else:
+        assert got >= peak - 0.01  # the search keeps the busiest pipeline rank; the plan reports rank 0's
+
+
+def test_terms_follow_their_formulas():
+    cfg = searched("model=llama3_8b", "parallel.world_size=64", "train.seq_len=4096", "train.global_batch_size=256")
+    settings, shape, h100 = settings_of(cfg), ModelShape.of(build.build_meta_model(cfg)), DEVICES["h100"]
+    fsdp = Layout(1, 64, 1, 1, 1, "none", 1)  # one group over 8 nodes: inter-node
+    base = predict(fsdp, shape, cfg.train, h100, settings)
+    assert base.seconds["tp"] == base.seconds["bubble"] == base.seconds["recompute"] == 0
+    full = predict(dataclasses.replace(fsdp, activation_checkpoint="full"), shape, cfg.train, h100, settings)
+    assert full.seconds["recompute"] == pytest.approx(
+        base.seconds["compute"] / 3, rel=0.1
+    )  # one more forward of the blocks
+    assert full.memory < base.memory
+    faster_net = dataclasses.replace(settings, inter_node_gbps=400.0)
+    assert predict(fsdp, shape, cfg.train, h100, faster_net).seconds["exposed_dp"] < base.seconds["exposed_dp"]
+    tp = predict(Layout(1, 8, 8, 1, 1, "none", 1), shape, cfg.train, h100, settings)
+    assert tp.seconds["tp"] > 0 and tp.seconds["compute"] == pytest.approx(base.seconds["compute"], rel=1e-6)
+    one_chunk, four = (
+        predict(Layout(1, 32, 1, 2, 1, "none", m, "1f1b", m), shape, cfg.train, h100, settings) for m in (2, 8)
+    )
+    assert one_chunk.seconds["bubble"] == pytest.approx(4 * four.seconds["bubble"], rel=1e-6)  # (pp - 1) / m
+
+
+def test_seventy_b_on_512_h200s_from_the_command_line(tmp_path):
+    cmd = forge_cmd("--plan", "--search", "model=llama3_70b", "parallel.world_size=512", "search.device=h200",
+                    f"hydra.run.dir={tmp_path}")  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "winner: parallel.dp_replicate=" in proc.stdout and "runner-up (other degrees)" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--search", "model=llama_tiny"], "--search works only with --plan"),
+        (["--plan", "--search", "search.device=tpu9"], "search.device='tpu9' is not one of"),
+        (["--plan", "--search-top"], "--search-top takes a number"),
+    ],
+)
+def test_bad_search_flags_are_refused_with_one_line(args, says, tmp_path):
+    proc = subprocess.run(forge_cmd(*args, f"hydra.run.dir={tmp_path}"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr[-2000:]
