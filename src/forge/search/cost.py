@@ -7,13 +7,15 @@ the rank's blocks (and head, on the last stage) from forge.metrics.flops:
     compute    = 3 F x T / dp / tp / (peak x compute_efficiency)
     recompute  = F_blocks x T / dp / tp / (peak x efficiency) under full checkpointing (one more forward); a tenth
                  of that under selective (the cheap ops recomputed)
-    fsdp       = n x (dp_shard - 1) / dp_shard x P_stage / tp x (2 gathers x param bytes + 4 reduce bytes) / link;
-                 routed experts: their E / ep on this rank, over the dp_shard / ep ranks that share them
+    fsdp       = n x (dp_shard - 1) / dp_shard x P / tp x (gathers x param bytes + 4 reduce bytes) / link, blocks
+                 gathered twice (forward, backward), the root (embedding, norm, head) once; routed experts: their
+                 E / ep on this rank, over the dp_shard / ep ranks that share them
     replicate  = (n, or 1 without FSDP) x 2 (r - 1) / r x 4 P_rank / link: the gradient all-reduce over dp_replicate
     exposed dp = max(0, fsdp + replicate - compute - recompute) + one block's gather per micro-batch: FSDP prefetch
                  and the backward hide the rest
-    tp         = n x blocks x (4, or 6 with full checkpointing) all-reduces of micro x seq_len x dim activations,
-                 2 (tp - 1) / tp of them per rank, not hidden
+    tp         = n x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
+                 all-reduces (as sequence-parallel all-gather + reduce-scatter) of micro x seq_len x dim
+                 activations, 2 (tp - 1) / tp of them per rank, and the logits gathered on the last stage, not hidden
     ep         = n x MoE blocks x (4, or 6) all-to-alls of micro x seq_len x top_k x dim, (ep - 1) / ep of them
     pp p2p     = 2 x T / dp x dim activations sent and received per stage boundary
     bubble     = (compute + recompute) x (pp - 1) / microbatches (/ 2 for interleaved 1F1B's two stages per rank)
@@ -97,6 +99,9 @@ class Prediction:
     """Tokens per optimizer step."""
     flops: float
     """Model FLOPs per optimizer step (all ranks, no recompute)."""
+    moved: dict[str, float]
+    """Bytes this rank sends per step, by collective: fsdp_all_gather, fsdp_reduce_scatter, replicate_all_reduce,
+    tp, ep, pp (ring algorithms: (n - 1) / n of a gathered or reduced buffer)."""
 
     @property
     def step(self) -> float:
@@ -196,45 +201,61 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         busy = t["compute"] + t["recompute"]
         latency = 0.0
         hidden = 0.0
+        moved: dict[str, float] = {}
         if layout.dp_shard > 1:
             experts = sum(shape.expert_params[b] for b in blocks)
-            expert_group = layout.dp_shard // layout.ep  # the ranks that share this rank's experts
-            gathered = (layout.dp_shard - 1) / layout.dp_shard * (params - experts) / layout.tp
-            gathered += (expert_group - 1) / expert_group * experts / layout.ep
-            moved = n_micro * gathered * (2 * act_bytes + 4)
-            seconds, lat = links.seconds("dp_shard", moved, n_micro * 3 * len(blocks))
+            dense_blocks = sum(shape.block_params[b] for b in blocks) - experts
+            root = params - dense_blocks - experts  # embedding, norm, head: not resharded after forward
+            gathers = _shard_traffic(layout, 2 * dense_blocks + root, 2 * experts)  # forward, and again in backward
+            moved["fsdp_all_gather"] = n_micro * gathers * act_bytes
+            moved["fsdp_reduce_scatter"] = n_micro * _shard_traffic(layout, dense_blocks + root, experts) * 4
+            nbytes = moved["fsdp_all_gather"] + moved["fsdp_reduce_scatter"]
+            seconds, lat = links.seconds("dp_shard", nbytes, n_micro * 3 * len(blocks))
             hidden += seconds
             latency += lat
             t["exposed_dp"] += seconds / max(3 * len(blocks), 1)  # each micro-batch's first gather
         if layout.dp_replicate > 1:
             syncs = n_micro if layout.dp_shard > 1 else 1
-            moved = syncs * 2 * (layout.dp_replicate - 1) / layout.dp_replicate * 4 * local
-            seconds, lat = links.seconds("dp_replicate", moved, syncs * len(blocks))
+            moved["replicate_all_reduce"] = syncs * 2 * (layout.dp_replicate - 1) / layout.dp_replicate * 4 * local
+            seconds, lat = links.seconds("dp_replicate", moved["replicate_all_reduce"], syncs * len(blocks))
             hidden += seconds
             latency += lat
         t["exposed_dp"] += max(0.0, hidden - busy)
         per_tp = 6 if layout.activation_checkpoint == "full" else 4
         if layout.tp > 1:
-            moved = n_micro * len(blocks) * per_tp * 2 * (layout.tp - 1) / layout.tp * micro_tokens * args.dim
-            seconds, lat = links.seconds("tp", moved * act_bytes, n_micro * len(blocks) * per_tp)
+            t_share = (layout.tp - 1) / layout.tp
+            reduces = len(blocks) * per_tp + first + last  # + the embedding's output, the head's input
+            elems = reduces * 2 * t_share * micro_tokens * args.dim
+            elems += t_share * micro_tokens * args.vocab_size if last else 0  # the logits, gathered
+            moved["tp"] = n_micro * elems * act_bytes
+            seconds, lat = links.seconds("tp", moved["tp"], n_micro * reduces * 2)
             t["tp"] = seconds
             latency += lat
         if layout.ep > 1 and args.moe is not None:
             moe_blocks = sum(is_moe_block(args, b) for b in blocks)
-            moved = n_micro * moe_blocks * per_tp * (layout.ep - 1) / layout.ep * micro_tokens * args.moe.top_k
-            seconds, lat = links.seconds("ep", moved * args.dim * act_bytes, n_micro * moe_blocks * per_tp)
+            elems = n_micro * moe_blocks * per_tp * (layout.ep - 1) / layout.ep * micro_tokens * args.moe.top_k
+            moved["ep"] = elems * args.dim * act_bytes
+            seconds, lat = links.seconds("ep", moved["ep"], n_micro * moe_blocks * per_tp)
             t["ep"] = seconds
             latency += lat
         if layout.pp > 1:
-            seconds, lat = links.seconds("pp", 2 * tokens_dp * args.dim * act_bytes, 2 * n_micro * layout.microbatches)
+            moved["pp"] = 2 * tokens_dp * args.dim * act_bytes
+            seconds, lat = links.seconds("pp", moved["pp"], 2 * n_micro * layout.microbatches)
             t["pp_p2p"] = seconds
             latency += lat
             t["bubble"] = busy * (layout.pp - 1) / layout.microbatches / stages_per_rank(layout.pp_schedule)
         t["latency"] = latency
         total = sum(t.values())
-        if worst is None or total > worst[2] or (total == worst[2] and memory > worst[0]):
-            worst = (max(memory, worst[0]) if worst else memory, t, total)
+        if worst is None or total > worst[2]:
+            worst = (max(memory, worst[0]) if worst else memory, t, total, moved)
         else:
-            worst = (max(memory, worst[0]), worst[1], worst[2])
-    memory, seconds, _ = worst
-    return Prediction(layout, memory, seconds, batch * seq, flops.training * batch * seq)
+            worst = (max(memory, worst[0]), *worst[1:])
+    memory, seconds, _, moved = worst
+    return Prediction(layout, memory, seconds, batch * seq, flops.training * batch * seq, moved)
+
+
+def _shard_traffic(layout: Layout, dense: float, experts: float) -> float:
+    """Elements a rank sends (ring) to gather or reduce-scatter `dense` elements over dp_shard (per tp rank) and
+    `experts` (routed-expert elements) over the dp_shard / ep ranks that share them (this rank holds E / ep)."""
+    group = layout.dp_shard // layout.ep
+    return (layout.dp_shard - 1) / layout.dp_shard * dense / layout.tp + (group - 1) / group * experts / layout.ep
