@@ -70,10 +70,12 @@ def config_yaml(cfg: DictConfig) -> str:
 
 
 def materialize_parallel(cfg: DictConfig, model: nn.Module, device: torch.device, seed: int) -> None:
-    """`materialize` for a model the parallel plan has sharded: the same initial weights as one process."""
-    from forge.parallel.init import has_dtensor_parameters, materialize_sharded
+    """`materialize` for a model the parallel plan has sharded or wrapped (compiled or checkpointed blocks, whose
+    parameter names gain a prefix): the same initial weights as one process."""
+    from forge.parallel.init import has_dtensor_parameters, materialize_sharded, plain_name
 
-    if not has_dtensor_parameters(model):
+    wrapped = any(plain_name(name) != name for name, _ in model.named_parameters())
+    if not has_dtensor_parameters(model) and not wrapped:
         materialize(model, device, seed)
         return
     materialize_sharded(model, build_meta_model(cfg), seed, device)
