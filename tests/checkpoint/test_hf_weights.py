@@ -143,7 +143,8 @@ def train_and_export(overrides: list[str], root: str) -> None:
 EXPORTS = {  # name -> (overrides, transformers class)
     "llama_fsdp": ([*GQA, "parallel=fsdp"], LlamaForCausalLM),
     "llama_tp2": ([*GQA, "parallel=tp2"], LlamaForCausalLM),
-    # stage 1 sends to rank 0; tied as Llama 3.2 1B (both stages hold the matrix, written once)
+    "llama_pp2": ([*GQA, "parallel=pp2", "model.n_layers=4"], LlamaForCausalLM),  # stage 1 sends to rank 0
+    # tied as Llama 3.2 1B: both stages hold the matrix, written once
     "llama_pp2_tied": ([*GQA, "parallel=pp2", "model.n_layers=4", "model.tie_embeddings=true"], LlamaForCausalLM),
     "mixtral_fsdp": ([*MOE, "parallel=fsdp"], MixtralForCausalLM),
 }

@@ -82,10 +82,10 @@ def test_terms_follow_their_formulas():
     assert predict(fsdp, shape, cfg.train, h100, faster_net).seconds["exposed_dp"] < base.seconds["exposed_dp"]
     tp = predict(Layout(1, 8, 8, 1, 1, "none", 1), shape, cfg.train, h100, settings)
     assert tp.seconds["tp"] > 0 and tp.seconds["compute"] == pytest.approx(base.seconds["compute"], rel=1e-6)
-    one_chunk, four = (
+    two, eight = (
         predict(Layout(1, 32, 1, 2, 1, "none", m, "1f1b", m), shape, cfg.train, h100, settings) for m in (2, 8)
     )
-    assert one_chunk.seconds["bubble"] == pytest.approx(4 * four.seconds["bubble"], rel=1e-6)  # (pp - 1) / m
+    assert two.seconds["bubble"] == pytest.approx(4 * eight.seconds["bubble"], rel=1e-6)  # (pp - 1) / m
 
 
 def test_seventy_b_on_512_h200s_from_the_command_line(tmp_path):
@@ -109,3 +109,25 @@ def test_bad_search_flags_are_refused_with_one_line(args, says, tmp_path):
                           timeout=120)  # fmt: skip
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr[-2000:]
+
+
+def test_search_flags_become_overrides_after_hydras_own_flags():
+    from forge.train.plan_report import take_plan_flag
+
+    argv = ["forge-train", "-cn", "train", "--plan", "--search-top", "3", "model=llama3_8b"]
+    assert take_plan_flag(argv)
+    assert argv == ["forge-train", "-cn", "train", "model=llama3_8b", "search=default", "search.top=3"]
+    argv = ["forge-train", "--plan", "search.device=h200"]  # a search key alone selects the search
+    assert take_plan_flag(argv) and argv == ["forge-train", "search.device=h200", "search=default"]
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["search.compute_efficiency=0", "search.comm_efficiency=1.5", "search.memory_headroom=1", "search.top=0"],
+)
+def test_settings_out_of_range_are_named(override):
+    from forge.config import ConfigError
+
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}=.* must be"):
+        search_report(searched("model=llama_tiny", "parallel.world_size=8", override))

@@ -1,8 +1,9 @@
 """The cost model's bytes per collective are what the real collectives of a training step move, on 4 gloo ranks.
 
 A dispatch mode sees every c10d op of one optimizer step (after a first one): FSDP2's all-gathers and
-reduce-scatters, HSDP's all-reduce over the replicas and DTensor's tensor-parallel collectives. Bytes a rank sends
-in a ring: (n - 1) / n of a gathered output or a reduce-scattered input, 2 (n - 1) / n of an all-reduced buffer.
+reduce-scatters, HSDP's all-reduce over the replicas, DTensor's tensor-parallel collectives and the pipeline's
+sends. Bytes a rank sends in a ring: (n - 1) / n of a gathered output or a reduce-scattered input, 2 (n - 1) / n
+of an all-reduced buffer.
 """
 
 from collections import Counter
@@ -27,8 +28,11 @@ LAYOUTS = {  # preset -> the same layout as the search writes it
     "fsdp": Layout(1, 4, 1, 1, 1, "none", 1),
     "hsdp": Layout(2, 2, 1, 1, 1, "none", 1),
     "tp2_fsdp": Layout(1, 2, 2, 1, 1, "none", 1),
+    "pp2_fsdp": Layout(1, 2, 1, 2, 1, "none", 4, "1f1b", 4),  # one micro-batch of 4 chunks
 }
-MICRO = ["train.micro_batch_size=1"]  # 2 or 4 micro-batches per rank: the per-micro-batch traffic counts
+MICRO = {"pp2_fsdp": []}
+"""Micro-batch overrides: 1 sample (2 or 4 micro-batches per rank: the per-micro-batch traffic counts), except
+under the pipeline (its 4 chunks need 4 samples)."""
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -49,10 +53,14 @@ class CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def micro(preset: str) -> list[str]:
+    return MICRO.get(preset, ["train.micro_batch_size=1"])
+
+
 def count_one_step(root: str) -> dict[str, dict[str, float]]:
     out = {}
     for preset in LAYOUTS:
-        trainer = Trainer(compose([*TINY, f"parallel={preset}", *MICRO]), Path(root) / preset)
+        trainer = Trainer(compose([*TINY, f"parallel={preset}", *micro(preset)]), Path(root) / preset)
         trainer.train_step()
         with CollectiveBytes() as counted:
             trainer.train_step()
@@ -74,6 +82,8 @@ def sent(counted: dict, layout: Layout) -> dict[str, float]:
     }
     if rep > 1:
         out["replicate_all_reduce"] = counted.get("c10d.allreduce_.default", 0) * 2 * (rep - 1) / rep
+    if layout.pp > 1:  # rank 0: the first stage, which sends its activations on
+        out["pp"] = counted.get("c10d.send.default", 0)
     if tp > 1:
         out["tp"] = (
             counted.get("_c10d_functional.all_gather_into_tensor.default", 0) * (tp - 1)
@@ -86,7 +96,7 @@ def sent(counted: dict, layout: Layout) -> dict[str, float]:
 @pytest.mark.parametrize("preset", list(LAYOUTS))
 def test_predicted_bytes_are_the_counted_ones(preset, counted):
     layout = LAYOUTS[preset]
-    cfg = compose([*TINY, f"parallel={preset}", *MICRO])
+    cfg = compose([*TINY, f"parallel={preset}", *micro(preset)])
     shape = ModelShape.of(build.build_meta_model(cfg))
     predicted = predict(layout, shape, cfg.train, DEVICES["h100"], SearchSettings(), dtype="fp32").moved
     measured = sent(counted[preset], layout)

@@ -17,6 +17,7 @@ _GROUP_SCHEMAS = {
     "checkpoint": schema.CheckpointConfig,
     "metrics": schema.MetricsConfig,
     "resilience": schema.ResilienceConfig,
+    "search": schema.SearchConfig,
 }
 
 

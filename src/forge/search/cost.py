@@ -8,8 +8,9 @@ the rank's blocks (and head, on the last stage) from forge.metrics.flops:
     recompute  = F_blocks x T / dp / tp / (peak x efficiency) under full checkpointing (one more forward); a tenth
                  of that under selective (the cheap ops recomputed)
     fsdp       = n x (dp_shard - 1) / dp_shard x P / tp x (gathers x param bytes + 4 reduce bytes) / link, blocks
-                 gathered twice (forward, backward), the root (embedding, norm, head) once; routed experts: their
-                 E / ep on this rank, over the dp_shard / ep ranks that share them
+                 gathered twice (forward, backward; in a pipeline once per chunk's forward and once in backward),
+                 the root (embedding, norm, head) once; routed experts: their E / ep on this rank, over the
+                 dp_shard / ep ranks that share them
     replicate  = (n, or 1 without FSDP) x 2 (r - 1) / r x 4 P_rank / link: the gradient all-reduce over dp_replicate
     exposed dp = max(0, fsdp + replicate - compute - recompute) + one block's gather per micro-batch: FSDP prefetch
                  and the backward hide the rest
@@ -17,7 +18,9 @@ the rank's blocks (and head, on the last stage) from forge.metrics.flops:
                  all-reduces (as sequence-parallel all-gather + reduce-scatter) of micro x seq_len x dim
                  activations, 2 (tp - 1) / tp of them per rank, and the logits gathered on the last stage, not hidden
     ep         = n x MoE blocks x (4, or 6) all-to-alls of micro x seq_len x top_k x dim, (ep - 1) / ep of them
-    pp p2p     = 2 x T / dp x dim activations sent and received per stage boundary
+    pp p2p     = T / dp x dim activations sent per stage boundary and direction (forward from all but the last
+                 stage, gradients back from all but the first); with tied embeddings the first and last stage
+                 also all-reduce the embedding's gradient shard (4 V dim / tp / dp_shard bytes)
     bubble     = (compute + recompute) x (pp - 1) / microbatches (/ 2 for interleaved 1F1B's two stages per rank)
     latency    = every collective's launch (10 us inside a node, 30 us across)
 
@@ -101,7 +104,7 @@ class Prediction:
     """Model FLOPs per optimizer step (all ranks, no recompute)."""
     moved: dict[str, float]
     """Bytes this rank sends per step, by collective: fsdp_all_gather, fsdp_reduce_scatter, replicate_all_reduce,
-    tp, ep, pp (ring algorithms: (n - 1) / n of a gathered or reduced buffer)."""
+    tp, ep, pp, tied_embedding (ring algorithms: (n - 1) / n of a gathered or reduced buffer)."""
 
     @property
     def step(self) -> float:
@@ -174,7 +177,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
     n_micro = batch // layout.dp // layout.micro_batch_size
     micro_tokens = layout.micro_batch_size * seq
 
-    worst: tuple[float, dict, float] | None = None
+    worst: tuple[float, dict, float, dict] | None = None
     for pp_rank in range(layout.pp):
         mine = [s for s in range(n_stages) if s % layout.pp == pp_rank]
         blocks = [int(b) for s in mine for b in stages[s]]
@@ -206,7 +209,9 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             experts = sum(shape.expert_params[b] for b in blocks)
             dense_blocks = sum(shape.block_params[b] for b in blocks) - experts
             root = params - dense_blocks - experts  # embedding, norm, head: not resharded after forward
-            gathers = _shard_traffic(layout, 2 * dense_blocks + root, 2 * experts)  # forward, and again in backward
+            # blocks: forward, and again in backward; in a pipeline, each chunk's forward and one backward
+            block_gathers = layout.microbatches + 1 if layout.pp > 1 else 2
+            gathers = _shard_traffic(layout, block_gathers * dense_blocks + root, block_gathers * experts)
             moved["fsdp_all_gather"] = n_micro * gathers * act_bytes
             moved["fsdp_reduce_scatter"] = n_micro * _shard_traffic(layout, dense_blocks + root, experts) * 4
             nbytes = moved["fsdp_all_gather"] + moved["fsdp_reduce_scatter"]
@@ -239,8 +244,14 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             t["ep"] = seconds
             latency += lat
         if layout.pp > 1:
-            moved["pp"] = 2 * tokens_dp * args.dim * act_bytes
-            seconds, lat = links.seconds("pp", moved["pp"], 2 * n_micro * layout.microbatches)
+            # activations forward from every stage but the last, their gradients back from every one but the first
+            boundaries = sum((s != n_stages - 1) + (s != 0) for s in mine)
+            moved["pp"] = boundaries * tokens_dp * args.dim * act_bytes
+            seconds, lat = links.seconds("pp", moved["pp"], boundaries * n_micro * layout.microbatches)
+            if args.tie_embeddings and (first or last):  # the embedding's gradient, summed with the other end
+                moved["tied_embedding"] = 4 * shape.embedding / layout.tp / layout.dp_shard
+                more, more_lat = links.seconds("pp", moved["tied_embedding"], 1)
+                seconds, lat = seconds + more, lat + more_lat
             t["pp_p2p"] = seconds
             latency += lat
             t["bubble"] = busy * (layout.pp - 1) / layout.microbatches / stages_per_rank(layout.pp_schedule)

@@ -13,8 +13,27 @@ from forge.search.settings import SearchSettings
 
 
 def settings_of(cfg: DictConfig) -> SearchSettings:
+    """The search options of cfg, checked: one ConfigError naming the first key out of its range."""
     node = cfg.search
-    return SearchSettings(**{key: node[key] for key in node if not str(key).startswith("_")})
+    settings = SearchSettings(**{key: node[key] for key in node if not str(key).startswith("_")})
+    if settings.device not in DEVICES:
+        raise ConfigError(f"search.device={settings.device!r} is not one of {', '.join(DEVICES)}")
+    ranges = {
+        "compute_efficiency": 0 < settings.compute_efficiency <= 1,
+        "comm_efficiency": 0 < settings.comm_efficiency <= 1,
+        "memory_headroom": 0 <= settings.memory_headroom < 1,
+        "gpus_per_node": settings.gpus_per_node >= 1,
+        "max_micro_batch_size": settings.max_micro_batch_size >= 1,
+        "top": settings.top >= 1,
+        "memory_gib": settings.memory_gib is None or settings.memory_gib > 0,
+        "intra_node_gbps": settings.intra_node_gbps is None or settings.intra_node_gbps > 0,
+        "inter_node_gbps": settings.inter_node_gbps is None or settings.inter_node_gbps > 0,
+    }
+    for key, ok in ranges.items():
+        if not ok:
+            bounds = "in (0, 1]" if "efficiency" in key else "in [0, 1)" if key == "memory_headroom" else "> 0"
+            raise ConfigError(f"search.{key}={getattr(settings, key)} must be {bounds}")
+    return settings
 
 
 def search(cfg: DictConfig) -> tuple[list[Prediction], int, list[str]]:
@@ -22,8 +41,6 @@ def search(cfg: DictConfig) -> tuple[list[Prediction], int, list[str]]:
     from forge.train import build
 
     settings = settings_of(cfg)
-    if settings.device not in DEVICES:
-        raise ConfigError(f"search.device={settings.device!r} is not one of {', '.join(DEVICES)}")
     device = DEVICES[settings.device]
     world = cfg.parallel.world_size or 1
     notes = []
@@ -66,23 +83,28 @@ def valid(cfg: DictConfig, prediction: Prediction) -> str | None:
 
 def search_report(cfg: DictConfig) -> str:
     settings = settings_of(cfg)
-    device = DEVICES.get(settings.device)
+    device = DEVICES[settings.device]
     fitting, considered, notes = search(cfg)
     world = cfg.parallel.world_size or 1
     memory = settings.memory_gib or device.memory_gib
     lines = [f"search: {considered} layouts of {world} ranks considered, {len(fitting)} fit in "
              f"{memory:.1f} GiB x {1 - settings.memory_headroom:.2f} per {settings.device}", *notes]  # fmt: skip
     shown: list[Prediction] = []
-    refused = 0
+    refused, first_refusal = 0, ""
     for prediction in fitting:
         if len(shown) == settings.top:
             break
-        if valid(cfg, prediction) is None:
+        refusal = valid(cfg, prediction)
+        if refusal is None:
             shown.append(prediction)
         else:
+            first_refusal = first_refusal or refusal
             refused += 1
+    if not shown and refused:
+        lines.append(f"no layout: the {refused} that fit are all refused by validation, e.g. {first_refusal}")
+        return "\n".join(lines)
     if not shown:
-        lines.append("no layout fits: a larger world, a smaller micro-batch or sequence, or more device memory")
+        lines.append("no layout fits: a larger world, a shorter sequence, a smaller model or more device memory")
         return "\n".join(lines)
     if refused:
         lines.append(f"({refused} faster layouts skipped: validation refuses them)")

@@ -7,7 +7,8 @@ from typing import Optional
 @dataclass
 class SearchSettings:
     device: str = "h100"
-    """The accelerator, a name of forge.search.devices.DEVICES: h100, h200, a100, b200, mi300x."""
+    """The accelerator: a key of forge.search.devices.DEVICES (`forge-train --plan --search` names them when it
+    does not know the one given)."""
     memory_gib: Optional[float] = None
     """Device memory per GPU in GiB; null: the device's."""
     gpus_per_node: int = 8

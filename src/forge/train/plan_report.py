@@ -307,9 +307,9 @@ def _fit_global_batch(cfg: DictConfig, world_size: int) -> list[str]:
 
 def take_plan_flag(argv: list[str]) -> bool:
     """Remove `--plan`, `--materialize`, `--search` and `--search-top K` from argv in place (Hydra must not see
-    them); True when `--plan` was there. `--materialize` sets MATERIALIZE, which print_plan reads; `--search`
-    selects the `search` config group (so `search.device=h200` can follow) and `--search-top K` sets search.top;
-    without `--plan` each is refused."""
+    them); True when `--plan` was there. `--materialize` sets MATERIALIZE, which print_plan reads; `--search` (or
+    a `search.` override) selects the `search` config group and `--search-top K` sets search.top, both appended
+    after the other overrides (Hydra reads its flags first); without `--plan` each is refused."""
     global MATERIALIZE
     for flag in ("--materialize", "--search", "--search-top"):
         if flag in argv and "--plan" not in argv:
@@ -318,16 +318,20 @@ def take_plan_flag(argv: list[str]) -> bool:
     if "--materialize" in argv:
         MATERIALIZE = True
         argv[:] = [a for a in argv if a != "--materialize"]
-    if "--search-top" in argv:
+    added = []
+    while "--search-top" in argv:
         at = argv.index("--search-top")
-        if at + 1 == len(argv) or not argv[at + 1].isdigit():
+        rows = argv[at + 1] if at + 1 < len(argv) else ""
+        if not rows.isdigit() or int(rows) < 1:
             print("forge-train: --search-top takes a number of rows, e.g. --search-top 10", file=sys.stderr)
             sys.exit(2)
-        argv[at : at + 2] = [f"search.top={argv[at + 1]}", "--search"]
-    if "--search" in argv:
-        argv[:] = [a for a in argv if a != "--search"]
-        if not any(a.startswith(("search=", "+search=")) for a in argv):
-            argv.insert(1, "search=default")
+        del argv[at : at + 2]
+        added = [f"search.top={rows}"]
+    searching = "--plan" in argv and ("--search" in argv or added or any(a.startswith("search.") for a in argv))
+    argv[:] = [a for a in argv if a != "--search"]
+    if searching and not any(a.startswith(("search=", "+search=")) for a in argv):
+        added.insert(0, "search=default")
+    argv += added
     if "--plan" not in argv:
         return False
     argv[:] = [a for a in argv if a != "--plan"]
