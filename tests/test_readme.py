@@ -42,6 +42,7 @@ NOT_RUN = {
 EXPECT = {
     "forge-train train.steps=4": "warmup cut to 4 steps",
     "forge-train hydra.searchpath=": "warmup cut to 4 steps",  # the experiment's train.steps: 4 applied
+    "forge-train --plan --search": "winner: parallel.dp_replicate=",  # before its prefix: the first match counts
     "forge-train --plan": "plan for 32 ranks",
     "forge-train --help": "== Config groups",
     "python -c": "torch.Size([1, 3, ",
