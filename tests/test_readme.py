@@ -43,6 +43,7 @@ EXPECT = {
     "forge-train train.steps=4": "warmup cut to 4 steps",
     "forge-train hydra.searchpath=": "warmup cut to 4 steps",  # the experiment's train.steps: 4 applied
     "forge-train --plan --search": "winner: parallel.dp_replicate=",  # before its prefix: the first match counts
+    "torchrun --nproc_per_node=2 -m forge.train --calibrate": "device profile: ",
     "forge-train --plan": "plan for 32 ranks",
     "forge-train --help": "== Config groups",
     "python -c": "torch.Size([1, 3, ",
@@ -101,7 +102,7 @@ def as_run(command: str) -> str:
     if command == "make train":
         return f'make train ARGS="{SHORT}"'
     trains = program(command) in ("forge-train", "torchrun", "launchers/torchrun.sh")
-    if not trains or any(flag in command for flag in ("--cfg", "--help", "--plan", "+experiment=")):
+    if not trains or any(flag in command for flag in ("--cfg", "--help", "--plan", "--calibrate", "+experiment=")):
         return command  # nothing to shorten, or a run that sets its own (short) length
     steps = re.search(r"train\.steps=(\d+)", command)
     if steps and int(steps.group(1)) <= 4:

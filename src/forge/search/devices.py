@@ -5,7 +5,9 @@ total; bandwidths are per GPU and per direction, in bytes per second: NVLink (or
 node's network (InfiniBand / RoCE) divided over its GPUs across nodes.
 """
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from forge.metrics.peak import table_peak
 
@@ -22,9 +24,11 @@ class Device:
     """Bytes/s per GPU inside a node."""
     inter_node: float
     """Bytes/s per GPU across nodes."""
+    peaks: dict[str, float] | None = None
+    """Measured FLOP/s by dtype (a calibrated profile); None: the peak table's."""
 
     def peak_flops(self, dtype: str) -> float:
-        flops = table_peak(self.name, dtype)
+        flops = self.peaks.get(dtype) if self.peaks else table_peak(self.name, dtype)
         if flops is None:
             raise ValueError(f"no peak FLOP/s for {self.name} in {dtype}")
         return flops
@@ -38,3 +42,26 @@ DEVICES = {
     "mi300x": Device("MI300X", 178.8, 448 * GB, 50 * GB),  # Infinity Fabric, 7 links x 64 GB/s
 }
 """By the name `search.device` takes."""
+
+
+def device_from_profile(path: str | Path) -> Device:
+    """The Device a `forge-train --calibrate` profile describes (JSON: data only). ValueError names the file and
+    the key that is missing or not a positive number."""
+    path = Path(path).expanduser()
+    try:
+        profile = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"search.profile={path}: not a readable JSON device profile ({err})") from err
+
+    def positive(value, key: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"search.profile={path}: {key} is {value!r}, not a positive number")
+        return float(value)
+
+    if not isinstance(profile, dict) or not isinstance(profile.get("peak_flops"), dict):
+        raise ValueError(f"search.profile={path}: no peak_flops (write one with forge-train --calibrate)")
+    inter = positive(profile.get("inter_node"), "inter_node")
+    intra = positive(profile["intra_node"], "intra_node") if profile.get("intra_node") is not None else inter
+    peaks = {dtype: positive(value, f"peak_flops.{dtype}") for dtype, value in profile["peak_flops"].items()}
+    name = str(profile.get("name", path.stem))
+    return Device(name, positive(profile.get("memory_gib"), "memory_gib"), intra, inter, peaks)

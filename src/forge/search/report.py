@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from forge.config import ConfigError, validate
 from forge.search.cost import ModelShape, Prediction, predict
-from forge.search.devices import DEVICES, GIB
+from forge.search.devices import DEVICES, GIB, Device, device_from_profile
 from forge.search.layouts import layouts
 from forge.search.settings import SearchSettings
 
@@ -16,7 +16,7 @@ def settings_of(cfg: DictConfig) -> SearchSettings:
     """The search options of cfg, checked: one ConfigError naming the first key out of its range."""
     node = cfg.search
     settings = SearchSettings(**{key: node[key] for key in node if not str(key).startswith("_")})
-    if settings.device not in DEVICES:
+    if settings.device not in DEVICES and settings.profile is None:
         raise ConfigError(f"search.device={settings.device!r} is not one of {', '.join(DEVICES)}")
     ranges = {
         "compute_efficiency": 0 < settings.compute_efficiency <= 1,
@@ -36,12 +36,22 @@ def settings_of(cfg: DictConfig) -> SearchSettings:
     return settings
 
 
+def device_of(settings: SearchSettings) -> Device:
+    """The calibrated profile when search.profile is set, else the table's device."""
+    if settings.profile is None:
+        return DEVICES[settings.device]
+    try:
+        return device_from_profile(settings.profile)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
 def search(cfg: DictConfig) -> tuple[list[Prediction], int, list[str]]:
     """Every candidate layout that fits in memory, fastest first; how many were considered; notes."""
     from forge.train import build
 
     settings = settings_of(cfg)
-    device = DEVICES[settings.device]
+    device = device_of(settings)
     world = cfg.parallel.world_size or 1
     notes = []
     train = cfg.train
@@ -83,12 +93,13 @@ def valid(cfg: DictConfig, prediction: Prediction) -> str | None:
 
 def search_report(cfg: DictConfig) -> str:
     settings = settings_of(cfg)
-    device = DEVICES[settings.device]
+    device = device_of(settings)
     fitting, considered, notes = search(cfg)
     world = cfg.parallel.world_size or 1
     memory = settings.memory_gib or device.memory_gib
+    where = settings.device if settings.profile is None else f"{device.name} (profile {settings.profile})"
     lines = [f"search: {considered} layouts of {world} ranks considered, {len(fitting)} fit in "
-             f"{memory:.1f} GiB x {1 - settings.memory_headroom:.2f} per {settings.device}", *notes]  # fmt: skip
+             f"{memory:.1f} GiB x {1 - settings.memory_headroom:.2f} per {where}", *notes]  # fmt: skip
     shown: list[Prediction] = []
     refused, first_refusal = 0, ""
     for prediction in fitting:

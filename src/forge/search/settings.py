@@ -9,6 +9,9 @@ class SearchSettings:
     device: str = "h100"
     """The accelerator: a key of forge.search.devices.DEVICES (`forge-train --plan --search` names them when it
     does not know the one given)."""
+    profile: Optional[str] = None
+    """A device profile written by `forge-train --calibrate` (measured matmul rates, memory, link bandwidths);
+    it replaces `device`'s table entry. null: the table."""
     memory_gib: Optional[float] = None
     """Device memory per GPU in GiB; null: the device's."""
     gpus_per_node: int = 8

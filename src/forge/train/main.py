@@ -19,6 +19,8 @@ log = logging.getLogger("forge")
 EXIT_CONFIG_ERROR = 2
 PLAN_ONLY = False
 """Set by `--plan`: print the parallel plan and the memory estimate instead of training."""
+CALIBRATE = False
+"""Set by `--calibrate`: measure this machine and write a device profile for `--plan --search` instead of training."""
 
 
 def run(cfg: DictConfig) -> dict:
@@ -57,6 +59,12 @@ def _task(cfg: DictConfig) -> None:
     try:
         check_output_dir()
         fit_defaults_to_run(cfg)
+        if CALIBRATE:
+            from forge.search.calibrate import run_calibration
+            from forge.train.build import resolve_device
+
+            run_calibration(resolve_device(cfg.train.device), Path(HydraConfig.get().runtime.output_dir))
+            return
         if PLAN_ONLY and cfg.get("search") is not None:
             from forge.search.report import search_report
 
@@ -121,8 +129,13 @@ def remove_empty_run_dir() -> None:
 
 
 def main() -> None:
-    global PLAN_ONLY
+    global PLAN_ONLY, CALIBRATE
     PLAN_ONLY = take_plan_flag(sys.argv)
+    CALIBRATE = "--calibrate" in sys.argv
+    sys.argv[:] = [a for a in sys.argv if a != "--calibrate"]
+    if CALIBRATE and PLAN_ONLY:
+        print("forge-train: --calibrate measures this machine; run it without --plan", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
     register_schemas()
     if not OmegaConf.has_resolver("forge_field_help"):
         OmegaConf.register_new_resolver("forge_field_help", field_help)
