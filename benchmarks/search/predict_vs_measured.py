@@ -1,0 +1,125 @@
+"""The layout search's predictions against measurement: every layout of a small model on N gloo ranks, trained a
+few steps, its median step time and peak host memory beside the cost model's prediction with a calibrated profile.
+
+    python benchmarks/search/predict_vs_measured.py            # 4 ranks; calibrates first (torchrun --calibrate)
+    python benchmarks/search/predict_vs_measured.py --profile calib/device_profile.json
+
+Prints one row per layout, the Spearman correlation of predicted and measured step times, and each layout's
+predicted / measured memory. Memory on a CPU is host RSS, which holds the interpreter, torch and the data as well
+as the model's state: both sides are taken as the difference from the same layout with a tiny model (dim 32),
+so that what is compared is what the model adds. The CPU flags it ran with are printed first.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+from forge.config import compose  # noqa: E402
+from forge.search.cost import Layout, ModelShape, predict  # noqa: E402
+from forge.search.devices import GIB, device_from_profile  # noqa: E402
+from forge.search.settings import SearchSettings  # noqa: E402
+from forge.train import build  # noqa: E402
+
+MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.ffn_dim=768", "train.seq_len=128"]
+TINY_MODEL = ["model.dim=32", "model.n_layers=4", "model.n_heads=8", "model.ffn_dim=64", "train.seq_len=128"]
+RUN = ["train.global_batch_size=16", "train.dtype=fp32", "train.log_every=1", "train.eval_every=0",
+       "train.eval_batches=1", "metrics.console=quiet", "checkpoint.interval=0", "train.threads=1"]  # fmt: skip
+
+
+def layouts(ranks: int) -> dict[str, Layout]:
+    half = ranks // 2
+    return {
+        "fsdp": Layout(1, ranks, 1, 1, 1, "none", 4),
+        "fsdp_full_ac": Layout(1, ranks, 1, 1, 1, "full", 4),
+        "hsdp": Layout(2, half, 1, 1, 1, "none", 4),
+        "ddp": Layout(ranks, 1, 1, 1, 1, "none", 4),
+        "tp2_fsdp": Layout(1, half, 2, 1, 1, "none", 8),
+        "tp2_fsdp_full_ac": Layout(1, half, 2, 1, 1, "full", 8),
+        f"tp{ranks}": Layout(1, 1, ranks, 1, 1, "none", 16),
+        "pp2_1f1b": Layout(1, half, 1, 2, 1, "none", 8, "1f1b", 4),
+        "pp2_gpipe": Layout(1, half, 1, 2, 1, "none", 8, "gpipe", 4),
+        "pp2_interleaved": Layout(1, half, 1, 2, 1, "none", 8, "interleaved_1f1b", 4),
+    }
+
+
+def cpu_flags() -> str:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = sorted({f for f in ("avx512_bf16", "amx_bf16") if f in text})
+    return ", ".join(flags) or "none of avx512_bf16 / amx_bf16"
+
+
+def torchrun(ranks: int, args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m",
+           "forge.train", *args, f"hydra.run.dir={run_dir}"]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def measure(ranks: int, overrides: list[str], steps: int) -> tuple[float, float]:
+    """(median step seconds after the first, rank 0's peak RSS in GiB) of a short run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = torchrun(ranks, [*overrides, f"train.steps={steps}"], Path(tmp))
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-3000:])
+        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in records if "step_time" in r]
+    return statistics.median(r["step_time"] for r in steps_[1:]), max(r["mem_rss_peak_gib"] for r in steps_)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, index in enumerate(order):
+            out[index] = float(rank)
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile", type=Path, help="a device profile (default: calibrate now)")
+    args = parser.parse_args()
+    print(f"CPU flags: {cpu_flags()}; {args.ranks} gloo ranks, {args.steps} steps per layout")
+    profile = args.profile
+    if profile is None:
+        calib = Path(tempfile.mkdtemp()) / "calib"
+        proc = torchrun(args.ranks, ["--calibrate", "train.threads=1"], calib)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return 1
+        profile = calib / "device_profile.json"
+    device = device_from_profile(profile)
+    settings = SearchSettings(compute_efficiency=1.0, comm_efficiency=1.0)  # a measured profile: rates as measured
+    rows = []
+    for name, layout in layouts(args.ranks).items():
+        cfg = compose([*MODEL, *RUN, *layout.overrides(), f"parallel.world_size={args.ranks}"])
+        tiny = compose([*TINY_MODEL, *RUN, *layout.overrides(), f"parallel.world_size={args.ranks}"])
+        predicted = predict(layout, ModelShape.of(build.build_meta_model(cfg)), cfg.train, device, settings, "fp32")
+        predicted_tiny = predict(layout, ModelShape.of(build.build_meta_model(tiny)), tiny.train, device, settings,
+                                 "fp32")  # fmt: skip
+        seconds, rss = measure(args.ranks, [*MODEL, *RUN, *layout.overrides()], args.steps)
+        _, rss_tiny = measure(args.ranks, [*TINY_MODEL, *RUN, *layout.overrides()], args.steps)
+        rows.append((name, predicted.step, seconds, (predicted.memory - predicted_tiny.memory) / GIB, rss - rss_tiny))
+        print(f"{name:<20} predicted {predicted.step:7.3f} s  measured {seconds:7.3f} s  | model memory predicted "
+              f"{rows[-1][3]:.3f} GiB, measured {rows[-1][4]:.3f} GiB", flush=True)  # fmt: skip
+    rho = spearman([r[1] for r in rows], [r[2] for r in rows])
+    print(f"Spearman (predicted vs measured step time, {len(rows)} layouts): {rho:.2f}")
+    for name, _, _, mem_p, mem_m in rows:
+        print(f"  {name:<20} memory predicted / measured {mem_p / mem_m if mem_m > 0 else float('nan'):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
