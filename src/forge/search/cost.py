@@ -36,7 +36,7 @@ from forge.metrics.flops import count_flops_per_token, is_moe_block
 from forge.parallel.pipeline import stage_layers, stages_per_rank
 from forge.search.devices import Device
 from forge.search.settings import SearchSettings
-from forge.train.plan_report import estimate_memory
+from forge.train.plan_report import estimate_memory, pipeline_in_flight
 
 LATENCY_S = {"intra": 10e-6, "inter": 30e-6}
 SELECTIVE_RECOMPUTE = 0.1
@@ -186,10 +186,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         params += shape.embedding if first or (last and args.tie_embeddings) else 0
         params += shape.head if last else 0
         local = params / layout.tp / layout.dp_shard
-        in_flight = 1.0
-        if layout.pp > 1:
-            in_flight = (layout.microbatches if layout.pp_schedule == "gpipe"
-                         else min(layout.microbatches, layout.pp)) / layout.microbatches  # fmt: skip
+        in_flight = pipeline_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
         mem = estimate_memory(args, degrees, local, len(blocks), last, layout.micro_batch_size, seq, in_flight,
                               act_bytes)  # fmt: skip
         memory = mem.peak(layout.activation_checkpoint == "full")

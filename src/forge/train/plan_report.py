@@ -94,6 +94,14 @@ def block_gather_params(args, degrees: Degrees) -> float:
     return max(dense, attention + shared + experts)
 
 
+def pipeline_in_flight(pp: int, schedule: str, microbatches: int) -> float:
+    """Fraction of a micro-batch whose activations are alive at once: all of it without a pipeline; GPipe keeps
+    every chunk, 1F1B's first stage at most pp of them."""
+    if pp == 1:
+        return 1.0
+    return (microbatches if schedule == "gpipe" else min(microbatches, pp)) / microbatches
+
+
 def estimate_memory(
     args,
     degrees: Degrees,
@@ -196,11 +204,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
     )
 
     dtype = "bf16" if train.dtype in ("auto", "bf16") else "fp32"
-    in_flight = 1.0  # fraction of a micro-batch whose activations are alive at once
-    if degrees.pp > 1:
-        # GPipe keeps every pipeline micro-batch; 1F1B's first stage at most pp of them.
-        micro = parallel.microbatches or degrees.pp
-        in_flight = (micro if parallel.pp_schedule == "gpipe" else min(micro, degrees.pp)) / micro
+    in_flight = pipeline_in_flight(degrees.pp, parallel.pp_schedule, parallel.microbatches or degrees.pp)
     mem = estimate_memory(
         args,
         degrees,
