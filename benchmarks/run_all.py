@@ -7,7 +7,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = [
     ["train/vs_transformers.py"],
-    ["train/vs_transformers.py", "--dim", "1024", "--layers", "4", "--seq", "512", "--batch", "4", "--heads", "16"],
     ["train/mfu.py"],
     ["train/startup.py"],
     ["train/chunked_ce.py"],

@@ -1,26 +1,53 @@
-"""Training tokens/s of forge's decoder against transformers' LlamaForCausalLM, same shape and batch, one run.
+"""forge's training step against transformers' LlamaForCausalLM, eager and compiled, side by side in one run.
 
-    .venv/bin/python benchmarks/train/vs_transformers.py [--dim 256 --layers 4 --seq 256 --batch 8 --dtype auto]
-        [--compile]
+    .venv/bin/python benchmarks/train/vs_transformers.py [--shape 256:4:256:8 --shape 1024:4:512:4 --dtype auto
+        --steps 3 --no-compile --profile 15]
 
-Both models take the same AdamW steps on the same random tokens; steps alternate between the two so machine noise
-hits both alike. Prints tokens/s of each and the ratio. With --compile a third contender runs: forge with the
-trainer's per-block torch.compile (parallel.compile=true), against the same eager transformers model.
+A shape is dim:layers:seq:batch (heads = dim / 64, vocab 8192, SwiGLU hidden 4 x dim). For each shape, five
+contenders take AdamW steps on the same random tokens, in turns, so the machine's noise hits all alike:
+- forge eager: the trainer's step (autocast in the resolved dtype, fp32 cross-entropy, fused AdamW, the default);
+- forge eager, torch's AdamW choice (`optimizer.fused=false`): what the fused kernel saves;
+- forge compiled: the trainer's per-block torch.compile (`parallel.compile=true`);
+- transformers eager and transformers compiled (`torch.compile` of the whole HF model), with the same fused AdamW,
+  so the comparison is of the models' forward and backward.
+Each row gives tokens/s, the ratio to transformers eager and to transformers compiled, and the MFU against the
+matmul peak measured in the same run (the best of square products and the model's widest product, in bursts
+between the steps: the rate when nothing else runs). FLOPs per token are forge.metrics.flops', as the trainer's
+MFU. After the table, a per-op profile of one forge eager step (self CPU time, top --profile ops).
+
+The CPU flags are printed first: with avx512_bf16 / amx_bf16, `--dtype auto` is bf16; without, fp32.
 """
 
 import argparse
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from forge.model import TransformerArgs, build_transformer
-from forge.parallel.plan import apply_compile
-from forge.train.precision import autocast, resolve_dtype
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.train.mfu
+
+from benchmarks.train.mfu import parse_shape, peak_flops  # noqa: E402
+from forge.metrics.flops import count_flops_per_token  # noqa: E402
+from forge.model import TransformerArgs, build_transformer  # noqa: E402
+from forge.parallel.plan import apply_compile  # noqa: E402
+from forge.train.precision import autocast, resolve_dtype  # noqa: E402
+
+VOCAB = 8192
 
 
-def step_fn(model, logits_of, optimizer, tokens, dtype):
+def cpu_flags() -> str:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in text})
+    return " ".join(flags) or "unknown"
+
+
+def step_fn(model: torch.nn.Module, logits_of: Callable, fused: bool, tokens: torch.Tensor, dtype: str) -> Callable:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+
     def step() -> None:
         with autocast(torch.device("cpu"), dtype):
             logits = logits_of(model, tokens[:, :-1])
@@ -32,69 +59,84 @@ def step_fn(model, logits_of, optimizer, tokens, dtype):
     return step
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--compile", action="store_true", help="also time forge with per-block torch.compile")
-    opts = parser.parse_args()
-    dtype = resolve_dtype(opts.dtype, torch.device("cpu"))
-    ffn = 4 * opts.dim
+def contenders(dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str, compile_: bool) -> dict:
     args = TransformerArgs(
-        dim=opts.dim, n_layers=opts.layers, n_heads=opts.heads, vocab_size=opts.vocab, ffn_dim=ffn, max_seq_len=opts.seq
+        dim=dim, n_layers=layers, n_heads=max(1, dim // 64), vocab_size=VOCAB, ffn_dim=4 * dim, max_seq_len=seq
     )
-    ours = build_transformer(args)
-    hf = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=opts.vocab,
-            hidden_size=opts.dim,
-            intermediate_size=ffn,
-            num_hidden_layers=opts.layers,
-            num_attention_heads=opts.heads,
-            max_position_embeddings=opts.seq,
-            attn_implementation="sdpa",
-        )
+    hf_config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=dim,
+        intermediate_size=4 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, dim // 64),
+        max_position_embeddings=seq,
+        attn_implementation="sdpa",
     )
-    tokens = torch.randint(0, opts.vocab, (opts.batch, opts.seq + 1))
+    ours = lambda m, x: m(x)  # noqa: E731
+    theirs = lambda m, x: m(x).logits  # noqa: E731
     runs = {
-        "forge": step_fn(ours, lambda m, x: m(x), torch.optim.AdamW(ours.parameters(), lr=1e-4), tokens, dtype),
-        "transformers": step_fn(
-            hf, lambda m, x: m(x).logits, torch.optim.AdamW(hf.parameters(), lr=1e-4), tokens, dtype
-        ),
+        "forge eager": step_fn(build_transformer(args), ours, True, tokens, dtype),
+        "forge eager, torch's AdamW choice": step_fn(build_transformer(args), ours, False, tokens, dtype),
+        "transformers eager": step_fn(LlamaForCausalLM(hf_config), theirs, True, tokens, dtype),
     }
-    if opts.compile:
+    if compile_:
         compiled = build_transformer(args)
         apply_compile(compiled)
-        runs["forge compiled"] = step_fn(
-            compiled, lambda m, x: m(x), torch.optim.AdamW(compiled.parameters(), lr=1e-4), tokens, dtype
-        )
-    for step in runs.values():
-        step()  # warm-up (and compilation)
-    seconds = dict.fromkeys(runs, 0.0)
-    for _ in range(opts.steps):
-        for name, step in runs.items():
-            start = time.perf_counter()
-            step()
-            seconds[name] += time.perf_counter() - start
-    tokens_per_step = opts.batch * opts.seq
-    rate = {name: tokens_per_step * opts.steps / s for name, s in seconds.items()}
-    print(
-        f"dim {opts.dim}, {opts.layers} layers, seq {opts.seq}, batch {opts.batch}, {dtype}, "
-        f"{torch.get_num_threads()} threads"
-    )
-    print("| trainer | tokens/s |")
-    print("|---|---|")
-    for name, value in rate.items():
-        print(f"| {name} | {value:,.0f} |")
-    for name in runs:
-        if name != "transformers":
-            print(f"{name} / transformers: {rate[name] / rate['transformers']:.2f}x")
+        runs["forge compiled"] = step_fn(compiled, ours, True, tokens, dtype)
+        runs["transformers compiled"] = step_fn(torch.compile(LlamaForCausalLM(hf_config)), theirs, True, tokens, dtype)
+    return args, runs
+
+
+def profile_step(step: Callable, top: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", action="append", type=parse_shape, help="dim:layers:seq:batch (repeatable)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager contenders only")
+    parser.add_argument("--profile", type=int, default=15, help="ops in forge's step profile (0: none)")
+    parser.add_argument("--peak-seconds", type=float, default=0.5, help="length of each peak-measuring burst")
+    opts = parser.parse_args()
+    shapes = opts.shape or [(256, 4, 256, 8), (1024, 4, 512, 4)]
+    device = torch.device("cpu")
+    dtype = resolve_dtype(opts.dtype, device)
+    print(f"cpu flags: {cpu_flags()} | {dtype} | {torch.get_num_threads()} threads | torch {torch.__version__}")
+    profiles = []
+    for dim, layers, seq, batch in shapes:
+        tokens = torch.randint(0, VOCAB, (batch, seq + 1))
+        args, runs = contenders(dim, layers, seq, tokens, dtype, opts.compile)
+        for step in runs.values():
+            step()  # warm-up (and compilation)
+        widest = (batch * seq, dim, max(4 * dim, VOCAB))
+        peaks, seconds = [peak_flops(device, dtype, widest, opts.peak_seconds)], dict.fromkeys(runs, 0.0)
+        for _ in range(opts.steps):
+            for name, step in runs.items():
+                start = time.perf_counter()
+                step()
+                seconds[name] += time.perf_counter() - start
+            peaks.append(peak_flops(device, dtype, widest, opts.peak_seconds / 2))
+        rate = {name: batch * seq * opts.steps / s for name, s in seconds.items()}
+        flops_per_token, peak = count_flops_per_token(args, seq).training, max(peaks)
+        print(f"\ndim {dim}, {layers} layers, seq {seq}, batch {batch}: {dtype} matmul peak {peak / 1e9:,.1f} GFLOP/s")
+        print("| contender | tokens/s | / transformers eager | / transformers compiled | MFU |")
+        print("|---|---|---|---|---|")
+        for name, value in rate.items():
+            vs_compiled = f"{value / rate['transformers compiled']:.2f}x" if "transformers compiled" in rate else "-"
+            print(
+                f"| {name} | {value:,.0f} | {value / rate['transformers eager']:.2f}x | {vs_compiled} | "
+                f"{100 * flops_per_token * value / peak:.0f}% |"
+            )
+        if opts.profile:
+            profiles.append((dim, profile_step(runs["forge eager"], opts.profile)))
+    for title, table in profiles:
+        print(f"\nforge eager step, dim {title}, by self CPU time:\n{table}")
 
 
 if __name__ == "__main__":

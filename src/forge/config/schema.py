@@ -62,7 +62,9 @@ class ParallelConfig:
     defer_grad_sync: Optional[bool] = None
     """Gradient accumulation: true reduces gradients only after the last micro-batch (fewer collectives, but
     FSDP then holds an unsharded gradient of the whole model per rank); false reduce-scatters after every
-    micro-batch (gradient memory stays the shard); null: false when parameters are sharded, true for DDP."""
+    micro-batch (gradient memory stays the shard); null: false when parameters are sharded, true for DDP.
+    Under pp the same holds per pipeline chunk: false reduce-scatters after each chunk's backward, true keeps
+    torch's schedule, which also holds the stage's parameters unsharded until the step ends."""
 
 
 @dataclass
@@ -96,8 +98,9 @@ class OptimizerConfig:
     """Adam's epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay of matrices; embeddings, norms and biases get none."""
-    fused: Optional[bool] = None
-    """Use the fused kernel (None lets torch choose)."""
+    fused: Optional[bool] = True
+    """One fused kernel per step for all parameters (CPU, CUDA, FSDP's DTensor shards). false or None: torch's
+    choice, foreach on CUDA and a loop over tensors on CPU (5x slower there, benchmarks/train/vs_transformers.py)."""
 
 
 @dataclass
