@@ -1,5 +1,6 @@
 """Step time, data wait, MFU and memory of a log interval."""
 
+import json
 import logging
 import time
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from forge.metrics.meter import StepMeter, describe_peak
-from forge.metrics.peak import Peak
+from forge.metrics.peak import Peak, device_name, resolve_peak
 
 
 def test_interval_leaves_out_paused_time_and_reports_data_wait():
@@ -51,3 +52,26 @@ def test_unknown_peak_leaves_mfu_out_and_says_so():
         logger.removeHandler(lines)
         logger.setLevel(level)
     assert lines.lines == ["MFU not reported: peak FLOP/s unknown for X"]
+
+
+def test_a_cached_peak_below_the_run_s_rate_is_measured_again(tmp_path, monkeypatch):
+    """A peak cached while another job loaded the machine made MFU read over 100 %: the meter measures again."""
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
+    device = torch.device("cpu")
+    key = f"{device_name(device)}|fp32|threads={torch.get_num_threads()}|v2"
+    (tmp_path / "peak_flops.json").write_text(json.dumps({key: 1.0}))  # 1 FLOP/s: any run is faster
+    peak = resolve_peak(device, "fp32")
+    assert peak.flops == 1.0 and peak.source.startswith("cached")
+    meter = StepMeter(device, flops_per_token=1e6, peak=peak)
+    meter.restart(step=0, tokens_seen=0)
+    time.sleep(0.01)
+    logger, lines = logging.getLogger("forge"), Lines()
+    logger.addHandler(lines)
+    try:
+        m = meter.interval(step=1, tokens_seen=100)
+    finally:
+        logger.removeHandler(lines)
+    assert any("measuring the peak again" in line for line in lines.lines), lines.lines
+    remeasured = json.loads((tmp_path / "peak_flops.json").read_text())[key]
+    assert remeasured > 1e6 and meter.peak.flops == remeasured and meter.peak.remeasure is None
+    assert m["mfu"] == pytest.approx(1e6 * m["tokens_per_s"] / remeasured, rel=1e-6)

@@ -66,6 +66,15 @@ class StepMeter:
         }
         if self.flops_per_token is not None and self.peak is not None and self.peak.flops:
             achieved = self.flops_per_token * tokens_per_s / self.world_size
+            if achieved > self.peak.flops and self.peak.remeasure is not None:
+                log.warning(
+                    "this run computes %.3g TFLOP/s per device, above the %s of %.3g: measuring the peak again",
+                    achieved / 1e12,
+                    self.peak.source,
+                    self.peak.flops / 1e12,
+                )
+                self.peak = self.peak.remeasure()
+                now = time.perf_counter()  # the measurement belongs to no step
             metrics["tflops_per_device"] = achieved / 1e12
             metrics["mfu"] = achieved / self.peak.flops
         metrics.update(memory_metrics(self.device))

@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,9 @@ class Peak:
     """FLOP/s, or None when unknown (MFU is then not reported)."""
     source: str
     """table, measured, cached measurement, config, or why it is unknown."""
+    remeasure: Callable[[], "Peak"] | None = None
+    """For a cached measurement: measure again and replace the cache entry (the meter calls it when a run goes
+    faster than the cached peak, which was then measured while something else ran)."""
 
 
 def table_peak(device_name: str, dtype: str) -> float | None:
@@ -112,16 +116,17 @@ def matmul_size_for(device: torch.device, dtype: str, largest: int = 2048, budge
     return size
 
 
-def measured_peak(device: torch.device, dtype: str, name: str) -> Peak:
-    """A measured peak, cached in FORGE_CACHE_DIR/peak_flops.json by device model, dtype and threads."""
+def measured_peak(device: torch.device, dtype: str, name: str, refresh: bool = False) -> Peak:
+    """A measured peak, cached in FORGE_CACHE_DIR/peak_flops.json by device model, dtype and threads; `refresh`
+    measures again and replaces the cached value."""
     key = f"{name}|{dtype}|threads={torch.get_num_threads()}|v2"
     path = cache_dir() / "peak_flops.json"
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
-    if key in cache:
-        return Peak(cache[key], f"cached measurement ({key})")
+    if key in cache and not refresh:
+        return Peak(cache[key], f"cached measurement ({key})", lambda: measured_peak(device, dtype, name, True))
     flops = measure_matmul_flops(device, dtype, matmul_size_for(device, dtype), seconds=0.6)
     cache[key] = flops
     try:
