@@ -7,11 +7,11 @@ the rank's blocks (and head, on the last stage) from forge.metrics.flops:
     compute    = 3 F x T / dp / tp / (peak x compute_efficiency)
     recompute  = F_blocks x T / dp / tp / (peak x efficiency) under full checkpointing (one more forward); a tenth
                  of that under selective (the cheap ops recomputed)
-    fsdp       = n x (dp_shard - 1) / dp_shard x P / tp x (gathers x param bytes + 4 reduce bytes) / link, blocks
-                 gathered twice (forward, backward; in a pipeline once per chunk's forward and once in backward),
-                 the root (embedding, norm, head) once; routed experts: their E / ep on this rank, over the
-                 dp_shard / ep ranks that share them
-    replicate  = (n, or 1 without FSDP) x 2 (r - 1) / r x 4 P_rank / link: the gradient all-reduce over dp_replicate
+    fsdp       = n x c x (dp_shard - 1) / dp_shard x P / tp x (gathers x param bytes + 4 reduce bytes) / link,
+                 c the pipeline chunks (microbatches; 1 without pp), each reduce-scattered after its backward;
+                 blocks gathered twice per chunk (forward, backward), the root (embedding, norm, head) once per
+                 chunk; routed experts: their E / ep on this rank, over the dp_shard / ep ranks that share them
+    replicate  = (n x c, or 1 without FSDP) x 2 (r - 1) / r x 4 P_rank / link: the gradient all-reduce over dp_replicate
     exposed dp = max(0, fsdp + replicate - compute - recompute) + one block's gather per micro-batch: FSDP prefetch
                  and the backward hide the rest
     tp         = n x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
@@ -175,6 +175,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
     stages = stage_layers(args.n_layers, n_stages)
     tokens_dp = batch * seq / layout.dp
     n_micro = batch // layout.dp // layout.micro_batch_size
+    chunks = layout.microbatches if layout.pp > 1 else 1  # FSDP reduces after each pipeline chunk's backward
     micro_tokens = layout.micro_batch_size * seq
 
     worst: tuple[float, dict, float, dict] | None = None
@@ -206,18 +207,19 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             experts = sum(shape.expert_params[b] for b in blocks)
             dense_blocks = sum(shape.block_params[b] for b in blocks) - experts
             root = params - dense_blocks - experts  # embedding, norm, head: not resharded after forward
-            # blocks: forward, and again in backward; in a pipeline, each chunk's forward and one backward
-            block_gathers = layout.microbatches + 1 if layout.pp > 1 else 2
-            gathers = _shard_traffic(layout, block_gathers * dense_blocks + root, block_gathers * experts)
+            # Blocks: forward, and again in backward, per pipeline chunk (each chunk's backward reduce-scatters and
+            # reshards, forge.parallel.pipeline.ReducingStage); the root once, then again after each chunk's
+            # backward but the last.
+            gathers = _shard_traffic(layout, 2 * chunks * dense_blocks + chunks * root, 2 * chunks * experts)
             moved["fsdp_all_gather"] = n_micro * gathers * act_bytes
-            moved["fsdp_reduce_scatter"] = n_micro * _shard_traffic(layout, dense_blocks + root, experts) * 4
+            moved["fsdp_reduce_scatter"] = n_micro * chunks * _shard_traffic(layout, dense_blocks + root, experts) * 4
             nbytes = moved["fsdp_all_gather"] + moved["fsdp_reduce_scatter"]
-            seconds, lat = links.seconds("dp_shard", nbytes, n_micro * 3 * len(blocks))
+            seconds, lat = links.seconds("dp_shard", nbytes, n_micro * chunks * 3 * len(blocks))
             hidden += seconds
             latency += lat
             t["exposed_dp"] += seconds / max(3 * len(blocks), 1)  # each micro-batch's first gather
         if layout.dp_replicate > 1:
-            syncs = n_micro if layout.dp_shard > 1 else 1
+            syncs = n_micro * chunks if layout.dp_shard > 1 else 1
             moved["replicate_all_reduce"] = syncs * 2 * (layout.dp_replicate - 1) / layout.dp_replicate * 4 * local
             seconds, lat = links.seconds("dp_replicate", moved["replicate_all_reduce"], syncs * len(blocks))
             hidden += seconds

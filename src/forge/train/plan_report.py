@@ -19,6 +19,9 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
       bytes = 2 under bf16 autocast, 4 in fp32. Per block, autograd keeps: the two norms' inputs and outputs (4 d),
       q, k, v and the attention output for SDPA (2 d + 2 kv), the re-laid-out attention output fed to wo (d), and
       the SwiGLU's w1, w3, silu outputs and their product (4 f). Selective checkpointing is estimated as none.
+    With parallel.defer_grad_sync=true under FSDP (dp_shard > 1) the gradients accumulate unsharded until the last
+    micro-batch: grads 4P x dp_shard; in a pipeline torch's stage then also keeps the stage's parameters unsharded
+    through the step, in place of the 2 gathered blocks.
 
 `--plan --materialize` then allocates rank 0's shards on the CPU and fills them through the real runs' sharded
 initialisation (forge.parallel.init: each rank draws only the row blocks of its shards, no collective), timing it:
@@ -112,6 +115,7 @@ def estimate_memory(
     seq_len: int,
     in_flight: float,
     act_bytes: int,
+    deferred_sync: bool = False,
 ) -> MemoryEstimate:
     tokens = micro_batch_size * seq_len * in_flight
     head = (2 * args.dim + 4 * args.vocab_size) if has_head else 0
@@ -119,7 +123,12 @@ def estimate_memory(
     full = tokens * (rank_blocks * block + head) * act_bytes / degrees.tp
     ckpt = tokens * (rank_blocks * args.dim + block + head) * act_bytes / degrees.tp
     gather = 2 * block_gather_params(args, degrees) / degrees.tp * act_bytes if degrees.dp_shard > 1 else 0
-    return MemoryEstimate(4 * local_params, 4 * local_params, 8 * local_params, gather, full, ckpt)
+    grads = 4 * local_params
+    if deferred_sync and degrees.dp_shard > 1:
+        grads *= degrees.dp_shard
+        if degrees.pp > 1:
+            gather = local_params * degrees.dp_shard * act_bytes
+    return MemoryEstimate(4 * local_params, grads, 8 * local_params, gather, full, ckpt)
 
 
 @contextlib.contextmanager
@@ -215,6 +224,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         train.seq_len,
         in_flight,
         2 if dtype == "bf16" else 4,
+        deferred_sync=parallel.get("defer_grad_sync") is True,
     )
     checkpointed = parallel.activation_checkpoint == "full"
     lines.append(

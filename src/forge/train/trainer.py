@@ -154,6 +154,7 @@ class Trainer:
             loss_fn=cross_entropy,
             parallelize=lambda part: parallelize(part, self.mesh, self.degrees, cfg.parallel, self.device, self.dtype),
             seed=cfg.train.seed,
+            defer_grad_sync=self.defer_grad_sync,
         )
 
     def restore(self) -> RunState:
