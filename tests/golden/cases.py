@@ -14,8 +14,8 @@ from pathlib import Path
 GOLDEN = Path(__file__).with_name("curves.json")
 
 COMMON = [
-    "train.steps=20",
-    "scheduler.warmup_steps=10",
+    "train.steps=10",
+    "scheduler.warmup_steps=5",
     "train.dtype=fp32",
     "train.threads=1",
     "train.log_every=1",
@@ -24,7 +24,7 @@ COMMON = [
     "metrics.measure_peak=false",
 ]
 """fp32 (bf16 would follow the CPU: auto picks it only where the CPU has native bf16), one thread per process,
-every step logged, one evaluation at the end. A 10-step warmup and a learning rate below the default keep the 20
+every step logged, one evaluation at the end. A 5-step warmup and a learning rate below the default keep the 10
 steps away from the loss spikes of a fast warmup, where a rounding difference of 1e-7 grows to a loss difference
 of 1 within a few steps (measured: the MoE case at lr 3e-4 with a 2-step warmup) and no tolerance separates
 another CPU from a real change."""
@@ -70,7 +70,7 @@ def command(name: str, extra: list[str] = ()) -> list[str]:
 
 
 def run_case(name: str, extra: list[str] = (), env: dict[str, str] | None = None) -> dict[str, list[float]]:
-    """Run one case in a fresh run directory; returns {"loss": per step 1..20, "val_loss": [final]}."""
+    """Run one case in a fresh run directory; returns {"loss": per step 1..10, "val_loss": [final]}."""
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = command(name, [*extra, f"hydra.run.dir={run_dir}"])
         done = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=900)
