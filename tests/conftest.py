@@ -8,6 +8,9 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("FORGE_CACHE_DIR", str(Path.home() / ".cache" / "forge"))
+# Inductor compiles in this process (and in the runs it starts) instead of a pool of workers that each import
+# torch again: on 2 cores the pool costs more than it saves, and a forked rank's pool could hang.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Every command of the README runs as written, so the README cannot drift from the code.
 
 The commands run in order, in one scratch directory (relative paths such as outputs/ and shards/ land there), through
-bash with this venv first on PATH. Training commands get a short run appended (`SHORT`); nothing else is changed.
+bash with this venv first on PATH. Training commands get a short run appended (`SHORT`, one validation batch for
+the runs that set their own short length, and `SMALLER` batches for the 125M preset); nothing else is changed.
 The inputs a user brings (their jsonl corpus, captions with images, a local vision tower, an image to ask about) are
 written into the scratch directory first. A command that cannot run here is listed in NOT_RUN with the reason and
 the test that covers it instead; any other README command that is not run fails the listing test.
@@ -25,6 +26,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.dist]
 SHORT = "train.steps=1 train.eval_batches=1"
 """Appended to each training command: one step and one validation batch."""
 
+SMALLER = {"forge-train model=llama_125m": "train.seq_len=64 train.global_batch_size=2"}
+"""Appended after SHORT where one step of the command's own batch takes long on 2 cores: its preset still
+composes, and its whole model is still built, initialised and stepped."""
+
 PROGRAMS = {
     "forge-train", "forge-generate", "forge-eval", "forge-lm-eval", "forge-prepare-data", "forge-convert",
     "forge-plot", "torchrun", "launchers/torchrun.sh", "python", "make", "bash", "mkdir", "sbatch",
@@ -45,10 +50,27 @@ EXPECT = {
     "forge-train --plan --search": "winner: parallel.dp_replicate=",  # before its prefix: the first match counts
     "torchrun --nproc_per_node=2 -m forge.train --calibrate": "device profile: ",
     "forge-train --plan": "plan for 32 ranks",
-    "forge-train --help": "== Config groups",
+    "forge-train --help": (
+        "== Config groups",
+        "model:",
+        "parallel:",
+        "data:",
+        "optimizer:",
+        "scheduler:",
+        "train:",
+        "checkpoint:",
+        "metrics:",
+        "llama_tiny",
+        "tp2_fsdp",
+        "train.steps: Optimizer steps.",
+    ),
+    "forge-train --cfg job model=moe parallel=tp4_fsdp": ("num_experts: 8", "tp: 4"),
     "python -c": "torch.Size([1, 3, ",
 }
-"""Output a command must print, besides exiting 0."""
+"""Output a command must print (one string or all of a tuple), besides exiting 0."""
+
+EXPECT_NOT = {"forge-train --help": "model_schema"}
+"""Output a command must not print: the help lists the config groups a user picks, not the schemas behind them."""
 
 COMMENT = re.compile(r"\s{2,}#.*$")
 
@@ -102,12 +124,13 @@ def as_run(command: str) -> str:
     if command == "make train":
         return f'make train ARGS="{SHORT}"'
     trains = program(command) in ("forge-train", "torchrun", "launchers/torchrun.sh")
-    if not trains or any(flag in command for flag in ("--cfg", "--help", "--plan", "--calibrate", "+experiment=")):
-        return command  # nothing to shorten, or a run that sets its own (short) length
+    if not trains or any(flag in command for flag in ("--cfg", "--help", "--plan", "--calibrate")):
+        return command  # nothing to shorten
     steps = re.search(r"train\.steps=(\d+)", command)
-    if steps and int(steps.group(1)) <= 4:
-        return command  # already a short run (the smoke test)
-    return f"{command} {SHORT}"
+    if "+experiment=" in command or (steps and int(steps.group(1)) <= 4):
+        return f"{command} train.eval_batches=1"  # a run that sets its own (short) length: the smoke test
+    smaller = next((extra for prefix, extra in SMALLER.items() if command.startswith(prefix)), "")
+    return f"{command} {SHORT} {smaller}".rstrip()
 
 
 def write_user_inputs(scratch: Path) -> None:
@@ -163,5 +186,8 @@ def test_readme_command_runs(command, scratch, request):
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{as_run(command)}\nexit {proc.returncode}\n{out[-4000:]}"
-    expected = next((text for prefix, text in EXPECT.items() if command.startswith(prefix)), None)
-    assert expected is None or expected in out, f"{command}: {expected!r} not in the output\n{out[-3000:]}"
+    expected = next((text for prefix, text in EXPECT.items() if command.startswith(prefix)), ())
+    for text in (expected,) if isinstance(expected, str) else expected:
+        assert text in out, f"{command}: {text!r} not in the output\n{out[-3000:]}"
+    unexpected = next((text for prefix, text in EXPECT_NOT.items() if command.startswith(prefix)), None)
+    assert unexpected is None or unexpected not in out, f"{command}: {unexpected!r} in the output"

@@ -2,7 +2,8 @@
 
 One `forge-train` run under torchrun (FSDP over 4 ranks, 6 steps, checkpoints at steps 3 and 6) is both the
 checkpoint and the reference. Each other layout (HSDP 2 x 2, TP 2 x FSDP 2, one process, interleaved
-1F1B over 2 pipeline ranks) resumes from the step-3 checkpoint (tests/checkpoint/layout_worker.py): its restored
+1F1B over 2 pipeline ranks) resumes from the step-3 checkpoint on forked gloo ranks (tests/parallel/harness.py;
+the worker, tests/checkpoint/layout_worker.py, also runs under torchrun): its restored
 model and optimizer, gathered to full tensors, must equal the checkpoint's contents read in this process with
 `dcp_to_torch_save`; its losses of steps 4-6 must match the uninterrupted run's; and its own step-6 checkpoint must
 hold the same keys as the reference's, with nearly the same values.
@@ -18,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.checkpoint.layout_worker import resume
+from tests.parallel.harness import launch
 from tests.parallel.scenarios import TINY
 from tests.tiny import losses
 
@@ -115,7 +117,7 @@ def test_fsdp4_checkpoint_resumes_in_another_layout(saved, layout, tmp_path):
     if nproc == 1:
         resume(*args[:2], args[2:])
     else:
-        torchrun(nproc, "-m", "tests.checkpoint.layout_worker", *args)
+        launch(resume, nproc, *args[:2], args[2:], timeout=420)  # forked gloo ranks: the saving run is torchrun
     assert sorted(p.name for p in dumps.iterdir()) == [f"rank{r}.pt" for r in range(nproc)]
 
     restored, state = merged_dumps(dumps), saved["state"]

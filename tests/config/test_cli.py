@@ -67,23 +67,6 @@ def test_a_data_error_is_one_line_naming_the_folder(tmp_path):
     assert_nothing_written(tmp_path)
 
 
-def test_cfg_job_composes_moe_with_tp4_fsdp(tmp_path):
-    result = run_cli(tmp_path, "--cfg", "job", "model=moe", "parallel=tp4_fsdp")
-    assert result.returncode == 0, result.stderr
-    assert "num_experts: 8" in result.stdout and "tp: 4" in result.stdout
-
-
-def test_help_lists_groups_and_field_docs(tmp_path):
-    result = run_cli(tmp_path, "--help")
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
-    for group in ("model:", "parallel:", "data:", "optimizer:", "scheduler:", "train:", "checkpoint:", "metrics:"):
-        assert group in out
-    assert "llama_tiny" in out and "tp2_fsdp" in out
-    assert "train.steps: Optimizer steps." in out
-    assert "model_schema" not in out
-
-
 def test_a_warmup_set_longer_than_the_run_is_refused(tmp_path):
     """A preset's warmup is cut to a short run (README test); one the user sets with train.steps is an error."""
     result = run_cli(tmp_path, "scheduler.warmup_steps=10", "train.steps=4")

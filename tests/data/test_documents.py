@@ -1,13 +1,11 @@
 """Document masking: ids, masked labels, one mask function for SDPA (dense) and FlexAttention (block mask)."""
 
-import pytest
 import torch
-import torch.nn.functional as F
 
 from forge.data.documents import document_ids, mask_boundary_labels
 from forge.data.loader import BatchLoader, TokenWindows
 from forge.model import Transformer, TransformerArgs
-from forge.model.attention import dense_attention_mask, flex_block_mask
+from forge.model.attention import dense_attention_mask
 
 EOS = 0
 
@@ -50,22 +48,3 @@ def test_packed_document_sees_exactly_what_it_sees_alone():
         unmasked = model(packed)[:, 10:]
     torch.testing.assert_close(together, alone, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(unmasked, alone, atol=1e-3)
-
-
-@pytest.mark.slow
-def test_flex_attention_block_mask_matches_sdpa_dense_mask():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    torch.manual_seed(0)
-    batch, heads, seq, dim = 2, 2, 256, 16
-    tokens = torch.randint(1, 20, (batch, seq))
-    tokens[tokens < 4] = EOS  # about one token in six ends a document
-    doc_ids = document_ids(tokens, EOS)
-    q, k, v = (torch.randn(batch, heads, seq, dim) for _ in range(3))
-    with torch.no_grad():
-        dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_attention_mask(doc_ids))
-        flex = torch.compile(flex_attention)(q, k, v, block_mask=flex_block_mask(doc_ids))
-    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
-    with torch.no_grad():
-        causal_only = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    assert not torch.allclose(causal_only, dense, atol=1e-3)

@@ -87,24 +87,31 @@ def test_random_sigkills_never_load_a_partial_checkpoint(tmp_path, reference):
     assert losses(run) == expected
 
 
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory) -> dict[str, tuple[int, str, dict]]:
+    """The run with a NaN loss at step 7 under the skip and the rollback policy: (exit code, output, losses)."""
+    runs = {}
+    for policy in ("skip", "rollback"):
+        run = tmp_path_factory.mktemp(policy)
+        code, out = train(run, "resilience.inject_nan_at_step=7", f"resilience.nonfinite_policy={policy}")
+        runs[policy] = (code, out, losses(run))
+    return runs
+
+
 @pytest.mark.parametrize("policy", ["skip", "rollback"])
-def test_nan_policies_skip_the_poisoned_step(tmp_path, reference, policy):
-    code, out = train(tmp_path, "resilience.inject_nan_at_step=7", f"resilience.nonfinite_policy={policy}")
+def test_nan_policies_skip_the_poisoned_step(poisoned, reference, policy):
+    code, out, curve = poisoned[policy]
     assert code == 0, out
     assert "non-finite loss or gradient norm at step 7" in out
-    curve = losses(tmp_path)
     assert [curve[s] for s in range(1, 7)] == [reference[s] for s in range(1, 7)]
     assert all(curve[s] != reference[s] for s in range(8, 17))
 
 
-def test_rollback_curve_equals_skip_curve(tmp_path):
+def test_rollback_curve_equals_skip_curve(poisoned):
     """Rolling back and skipping the poisoned batches leaves the same model as not stepping on them."""
-    code, out = train(tmp_path / "skip", "resilience.inject_nan_at_step=7", "resilience.nonfinite_policy=skip")
-    assert code == 0, out
-    code, out = train(tmp_path / "rollback", "resilience.inject_nan_at_step=7", "resilience.nonfinite_policy=rollback")
-    assert code == 0, out
+    out = poisoned["rollback"][1]
     assert "rolling back" in out and "resumed from" in out
-    skip, rollback = losses(tmp_path / "skip"), losses(tmp_path / "rollback")
+    skip, rollback = poisoned["skip"][2], poisoned["rollback"][2]
     assert [skip[s] for s in range(8, 17)] == [rollback[s] for s in range(8, 17)]
 
 
