@@ -1,4 +1,5 @@
-"""forge-generate and forge-eval as subprocesses on a tiny trained run, against independent computations."""
+"""forge-generate and forge-eval on a tiny trained run, against independent computations: as subprocesses where
+the command line is what is tested, in process otherwise."""
 
 import json
 import math
@@ -77,23 +78,30 @@ def test_generate_seeded_sampling_is_reproducible_and_interactive_reads_stdin(ru
     assert text.stdout.startswith("KING." + first["completion"])
 
 
-def test_generate_on_an_hf_export_with_a_given_tokenizer(run_dir, tmp_path, corpus):
+def test_generate_on_an_hf_export_with_a_given_tokenizer(run_dir, tmp_path, corpus, capsys):
+    from forge.checkpoint.cli import main as forge_convert
+    from forge.generate.cli import main as forge_generate  # in process: the command line is tested above
+
     folder, _ = run_dir
-    assert run("forge.checkpoint.cli", "--to", "hf", str(folder), str(tmp_path / "hf")).returncode == 0
+    assert forge_convert(["--to", "hf", str(folder), str(tmp_path / "hf")]) == 0
     tokenizer = corpus.folder / "tokenizer.json"
-    a = run(
-        "forge.generate.cli", f"checkpoint={tmp_path / 'hf'}", "prompt=KING.", "format=jsonl", f"tokenizer={tokenizer}"
-    )
-    b = run("forge.generate.cli", f"checkpoint={folder}", "prompt=KING.", "format=jsonl")
-    assert a.returncode == 0, a.stderr
-    assert json.loads(a.stdout)["tokens"] == json.loads(b.stdout)["tokens"]
+    capsys.readouterr()
+    hf = [f"checkpoint={tmp_path / 'hf'}", "prompt=KING.", "format=jsonl", f"tokenizer={tokenizer}"]
+    assert forge_generate(hf) == 0
+    a = capsys.readouterr().out
+    assert forge_generate([f"checkpoint={folder}", "prompt=KING.", "format=jsonl"]) == 0
+    b = capsys.readouterr().out
+    assert json.loads(a)["tokens"] == json.loads(b)["tokens"]
 
 
-def test_generate_bad_checkpoint_and_bad_key_fail_with_a_message(tmp_path):
-    result = run("forge.generate.cli", f"checkpoint={tmp_path / 'missing'}", "prompt=x")
-    assert result.returncode == 1 and "missing" in result.stderr
-    result = run("forge.generate.cli", f"checkpoint={tmp_path}", "prompt=x", "temprature=1")
-    assert result.returncode != 0 and "temprature" in result.stderr
+def test_generate_bad_checkpoint_and_bad_key_fail_with_a_message(tmp_path, capsys):
+    from forge.generate.cli import main as forge_generate
+
+    assert forge_generate([f"checkpoint={tmp_path / 'missing'}", "prompt=x"]) == 1
+    assert "missing" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        forge_generate([f"checkpoint={tmp_path}", "prompt=x", "temprature=1"])
+    assert "temprature" in str(exit_.value)
 
 
 def test_eval_perplexity_is_exp_of_hand_computed_loss(run_dir, corpus):
@@ -117,23 +125,23 @@ def test_eval_perplexity_is_exp_of_hand_computed_loss(run_dir, corpus):
     assert out["loss"] == pytest.approx(summary["final_val_loss"], rel=1e-5)
 
 
-def test_eval_options_override_the_run_config(run_dir):
+def test_eval_options_override_the_run_config(run_dir, capsys):
+    from forge.generate.evaluate import main as forge_eval
+
     folder, _ = run_dir
-    result = run("forge.generate.evaluate", f"checkpoint={folder}", "batches=1", "seq_len=16", "micro_batch_size=2")
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
+    assert forge_eval([f"checkpoint={folder}", "batches=1", "seq_len=16", "micro_batch_size=2"]) == 0
+    out = json.loads(capsys.readouterr().out)
     assert (out["batches"], out["tokens"]) == (1, 32)
 
 
 def test_eval_captures_activations(run_dir, tmp_path):
     from safetensors.torch import load_file
 
+    from forge.generate.evaluate import main as forge_eval
+
     folder, _ = run_dir
     path = tmp_path / "acts.safetensors"
-    result = run(
-        "forge.generate.evaluate", f"checkpoint={folder}", "batches=2", "capture=[layers.*,norm]", f"capture_out={path}"
-    )
-    assert result.returncode == 0, result.stderr
+    assert forge_eval([f"checkpoint={folder}", "batches=2", "capture=[layers.*,norm]", f"capture_out={path}"]) == 0
     acts = load_file(str(path))
     assert set(acts) == {"layers.0", "layers.1", "norm"}
     assert acts["layers.1"].shape == (8, 32, 64)
