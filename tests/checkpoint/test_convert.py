@@ -93,14 +93,18 @@ def test_trained_run_exports_to_transformers(tmp_path):
 
 @pytest.mark.parametrize("fmt,name", [("torch", "model.pt"), ("safetensors", "model.safetensors")])
 def test_consolidated_files_round_trip(hf_dir, tmp_path, fmt, name):
-    assert convert("--to", fmt, str(hf_dir), str(tmp_path / name)).returncode == 0
+    from forge.checkpoint.cli import main as forge_convert  # in process: the command line is tested above
+
+    assert forge_convert(["--to", fmt, str(hf_dir), str(tmp_path / name)]) == 0
     a, b = forge.load_pretrained(hf_dir), forge.load_pretrained(tmp_path / name)
     for (key, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), key
 
 
 def test_warm_start_training_from_a_converted_hf_model(hf_dir, tmp_path):
-    assert convert("--to", "dcp", str(hf_dir), str(tmp_path / "dcp")).returncode == 0
+    from forge.checkpoint.cli import main as forge_convert
+
+    assert forge_convert(["--to", "dcp", str(hf_dir), str(tmp_path / "dcp")]) == 0
     trainer = Trainer(
         compose(
             [
@@ -119,13 +123,15 @@ def test_warm_start_training_from_a_converted_hf_model(hf_dir, tmp_path):
     )
 
 
-def test_bad_sources_exit_non_zero_naming_them(tmp_path):
-    result = convert("--to", "hf", str(tmp_path / "missing"), str(tmp_path / "out"))
-    assert result.returncode == 1 and "missing does not exist" in result.stderr
+def test_bad_sources_exit_non_zero_naming_them(tmp_path, capsys):
+    from forge.checkpoint.cli import main as forge_convert
+
+    assert forge_convert(["--to", "hf", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
+    assert "missing does not exist" in capsys.readouterr().err
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
-    result = convert("--to", "hf", str(junk), str(tmp_path / "out"))
-    assert result.returncode == 1 and "junk.pt" in result.stderr
+    assert forge_convert(["--to", "hf", str(junk), str(tmp_path / "out")]) == 1
+    assert "junk.pt" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
