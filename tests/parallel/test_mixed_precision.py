@@ -94,3 +94,56 @@ def test_accumulation_keeps_gradients_sharded_unless_deferred(tmp_path):
     for run_ in (each, deferred):
         for key in ("loss", "grad_norm", "val_loss"):
             assert run_[key] == pytest.approx(reference[key], rel=1e-4), key
+
+
+class ChunkProbe(Trainer):
+    """Records, before each training chunk's forward through this rank's first block (not evaluation's), the
+    gradient bytes its stage holds (sharded grads + FSDP's unsharded accumulators)."""
+
+    def build_model_and_data(self) -> None:
+        super().build_model_and_data()
+        self.grad_bytes: list[int] = []
+        part = self.pipeline.parts[0]
+        first = part.layers[next(iter(part.layers.keys()))]
+        first.register_forward_pre_hook(lambda module, args: self.record(part) if module.training else None)
+
+    def record(self, part) -> None:
+        self.grad_bytes.append(held_grad_bytes(part))
+
+
+def held_grad_bytes(model) -> int:
+    held = 0
+    for group in fsdp_groups(model):
+        for param in group.fsdp_params:
+            grad = param.sharded_param.grad
+            held += 0 if grad is None else grad.to_local().numel() * grad.element_size()
+            unsharded = getattr(param, "_unsharded_param", None)
+            for acc in (param.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad):
+                held += 0 if acc is None else acc.numel() * acc.element_size()
+    return held
+
+
+def run_chunks(scenarios: dict[str, list[str]], root: str) -> dict:
+    out = {}
+    for name, overrides in scenarios.items():
+        trainer = ChunkProbe(compose([*TINY, *overrides]), Path(root) / name)
+        trainer.fit()
+        groups = fsdp_groups(trainer.pipeline.parts[0])
+        out[name] = curves(trainer.run_dir) | {
+            "shard_bytes": sum(p.sharded_param.to_local().numel() * 4 for g in groups for p in g.fsdp_params),
+            "grad_bytes": max(trainer.grad_bytes[1:4]),  # before chunks 2..4 of the first step
+        }
+    return out
+
+
+def test_a_pipeline_keeps_gradients_sharded_between_chunks_unless_deferred(tmp_path):
+    """torch's PipelineStage holds a stage's unsharded gradients from the first chunk's backward to the end of the
+    step; forge's ReducingStage reduce-scatters after each chunk (the default under FSDP)."""
+    chunks = ["parallel=pp2_fsdp", "train.micro_batch_size=4", "parallel.microbatches=4"]  # 1 micro-batch, 4 chunks
+    scenarios = {"each": chunks, "deferred": [*chunks, "parallel.defer_grad_sync=true"]}
+    first_stage = launch(run_chunks, 4, scenarios, str(tmp_path))[0]  # rank 0: stage 0, FSDP over 2
+    each, deferred = first_stage["each"], first_stage["deferred"]
+    assert each["grad_bytes"] <= each["shard_bytes"]  # only the shard's gradients
+    assert deferred["grad_bytes"] >= 1.9 * deferred["shard_bytes"]  # unsharded over the 2 FSDP ranks
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert each[key] == pytest.approx(deferred[key], rel=1e-5), key
