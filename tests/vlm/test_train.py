@@ -87,3 +87,40 @@ def test_forge_train_command_line(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
     assert all(r["media_skipped"] == 0 for r in records if "loss" in r)
+
+
+def train_recording_gathers(run_dir: str, *overrides: str) -> dict:
+    """`train`, plus the dtype of a decoder weight as its block's forward sees it (FSDP's gathered copy)."""
+    from pathlib import Path
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from tests.tiny import losses as read_losses
+    from tests.vlm.scenarios import TINY as VLM_TINY
+
+    trainer = VLMTrainer(compose([*VQA, *VLM_TINY, *overrides]), Path(run_dir))
+    seen: set[str] = set()
+    wq = trainer.model.decoder.layers["0"].attention.wq
+    wq.register_forward_pre_hook(lambda module, args: seen.add(str(module.weight.dtype)))
+    root = trainer.model
+    policy = root._get_fsdp_state()._mp_policy if isinstance(root, FSDPModule) else None
+    trainer.fit()
+    return {
+        "gathered": sorted(seen),
+        "cast_inputs": None if policy is None else policy.cast_forward_inputs,
+        "losses": read_losses(run_dir),
+    }
+
+
+@pytest.mark.slow
+def test_two_rank_bf16_fsdp_gathers_bf16_and_follows_one_process(tmp_path):
+    """FSDP of a VLM follows train.dtype as the text plan does: bf16 gathers (half the bytes of fp32), fp32
+    master weights; the losses follow one bf16-autocast process within bf16's rounding."""
+    run = ["vlm=joint_decoder", "train.steps=3", "train.dtype=bf16", "train.micro_batch_size=4"]
+    one = train_recording_gathers(str(tmp_path / "one"), *run)
+    two = launch(train_recording_gathers, 2, str(tmp_path / "two"), *run, "parallel=fsdp")[0]
+    assert one["gathered"] == ["torch.float32"] and two["gathered"] == ["torch.bfloat16"]
+    assert two["cast_inputs"] is False  # the root leaves the pixels to the (frozen, unsharded) tower
+    assert sorted(two["losses"]) == [1, 2, 3]
+    for step, loss in one["losses"].items():
+        assert two["losses"][step] == pytest.approx(loss, rel=2**-6), step

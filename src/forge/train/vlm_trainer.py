@@ -6,6 +6,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from forge.parallel import dist
+from forge.parallel.plan import mixed_precision_policy
 from forge.parallel.vlm import parallelize_vlm
 from forge.train import build
 from forge.train.freeze import FreezeSchedule
@@ -37,5 +38,6 @@ class VLMTrainer(Trainer):
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.model.to(self.device)
         self.freeze = FreezeSchedule(self.model)
-        parallelize_vlm(self.model, self.mesh, cfg.parallel.activation_checkpoint)
+        policy = mixed_precision_policy(cfg.parallel, self.dtype)
+        parallelize_vlm(self.model, self.mesh, cfg.parallel.activation_checkpoint, policy)
         self.step = VLMStep(self.model, self.device, self.dtype, self.mesh, self.defer_grad_sync, self.batch_loss)
