@@ -1,8 +1,10 @@
 """A checkpoint folder from someone else runs no code: a planted `.metadata` pickle, a planted non-tensor value in
 the DCP data, or a planted `_target_` in config.yaml is refused by every tool that reads it, with one line naming
-the file, a non-zero exit and no traceback, and the payload (touching a marker file) never runs."""
+the file, a non-zero exit and no traceback, and the payload (touching a marker file) never runs. forge-train runs
+as a process; the other tools' main(argv) run in this one (an escaped exception fails the test)."""
 
 import contextlib
+import importlib
 import os
 import pickle
 import shutil
@@ -68,6 +70,22 @@ def run(tmp_path: Path, module: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def run_in_process(module: str, args: list[str], capsys, monkeypatch, cwd: Path) -> subprocess.CompletedProcess:
+    """The tool's main(args) in this process, as the command line would end: its exit code and what it printed.
+    forge-train runs as a process (run); the other tools are plain functions of their arguments."""
+    main = importlib.import_module(module).main
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    try:
+        code = main(args)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+        if not isinstance(exit_.code, int) and exit_.code is not None:
+            print(exit_.code, file=sys.stderr)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def assert_refused(result: subprocess.CompletedProcess, marker: Path, *named: str) -> None:
     """Non-zero exit, the payload never ran, stderr is one line naming `named`, no traceback."""
     assert not marker.exists(), "the payload ran"
@@ -120,11 +138,14 @@ def test_a_planted_metadata_pickle_would_run_and_read_metadata_refuses_it(plante
 
 
 @pytest.mark.parametrize("tool", ["resume", "warm-start", "generate", "eval", "convert", "lm-eval"])
-def test_every_tool_refuses_a_planted_metadata_pickle(planted, tmp_path, tool):
+def test_every_tool_refuses_a_planted_metadata_pickle(planted, tmp_path, tool, capsys, monkeypatch):
     marker = tmp_path / "MARKER"
     plant_metadata(planted, touch_with("os.system", marker))
     module, args = tool_args(tool, planted, tmp_path)
-    result = run(tmp_path, module, *args)
+    if module == "forge.train":
+        result = run(tmp_path, module, *args)
+    else:
+        result = run_in_process(module, args, capsys, monkeypatch, tmp_path)
     assert_refused(result, marker, f"{planted / '.metadata'}: it references posix.system")
     assert not (tmp_path / "hf").exists()
 
@@ -214,20 +235,20 @@ def test_forge_s_own_targets_pass(trained):
     ("tool", "kind"),
     [("generate", "torch.load"), ("eval", "pathlib.Path.touch"), ("lm-eval", "os.system"), ("convert", "nested")],
 )
-def test_every_tool_refuses_a_planted_data_target(planted, tmp_path, tool, kind):
+def test_every_tool_refuses_a_planted_data_target(planted, tmp_path, tool, kind, capsys, monkeypatch):
     marker = tmp_path / "MARKER"
     plant_config(planted, "data", payload(kind, marker, tmp_path))
     module, args = tool_args(tool, planted, tmp_path)
-    result = run(tmp_path, module, *args)
+    result = run_in_process(module, args, capsys, monkeypatch, tmp_path)
     assert_refused(result, marker, f"{planted / 'config.yaml'}: {TARGET_OF[kind]}")
     assert not (tmp_path / "hf").exists()
 
 
-def test_generate_about_an_image_refuses_a_planted_vlm_target(planted, tmp_path):
+def test_generate_about_an_image_refuses_a_planted_vlm_target(planted, tmp_path, capsys, monkeypatch):
     marker = tmp_path / "MARKER"
     plant_config(planted, "vlm", payload("torch.load", marker, tmp_path))
     module, args = tool_args("generate-vlm", planted, tmp_path)
-    result = run(tmp_path, module, *args)
+    result = run_in_process(module, args, capsys, monkeypatch, tmp_path)
     assert_refused(result, marker, f"{planted / 'config.yaml'}: vlm._target_ is 'torch.load'")
 
 
