@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from forge.config import ConfigError, compose
-from forge.search.calibrate import PROFILE
+from forge.search.calibrate import PROFILE, available_cores
 from forge.search.report import search_report
 from tests.conftest import ROOT
 
@@ -33,6 +33,7 @@ def test_the_profile_holds_measured_rates(profile):
     assert all(rate > 0 for rate in data["collectives_bytes_per_s"].values())
     assert data["intra_node"] == data["inter_node"] == min(data["collectives_bytes_per_s"].values())
     assert data["peak_flops"]["fp32"] > 1e8 and data["memory_gib"] > 0
+    assert data["shares_cores"] == (2 * data["threads"] > available_cores())  # 2 ranks here: on 2 cores, true
 
 
 def winner_step_seconds(report: str) -> float:

@@ -86,6 +86,10 @@ def test_terms_follow_their_formulas():
         predict(Layout(1, 32, 1, 2, 1, "none", m, "1f1b", m), shape, cfg.train, h100, settings) for m in (2, 8)
     )
     assert two.seconds["bubble"] == pytest.approx(4 * eight.seconds["bubble"], rel=1e-6)  # (pp - 1) / m
+    shared = dataclasses.replace(h100, shares_cores=True)  # ranks sharing a CPU host's cores: no idle bubble
+    pooled = predict(Layout(1, 32, 1, 2, 1, "none", 2, "1f1b", 2), shape, cfg.train, shared, settings)
+    assert two.seconds["bubble"] > 0 and pooled.seconds["bubble"] == 0
+    assert pooled.step == pytest.approx(two.step - two.seconds["bubble"], rel=1e-6)
 
 
 def test_an_unknown_device_is_refused_with_one_line(tmp_path):

@@ -10,6 +10,7 @@ then the inter-node rate is unknown and taken equal to it (the profile says so).
 """
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -87,7 +88,13 @@ def calibrate(device: torch.device, local_ranks: int, nodes: int) -> dict:
         "inter_node_measured": nodes > 1,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "threads": torch.get_num_threads(),
+        "shares_cores": device.type == "cpu" and local_ranks * torch.get_num_threads() > available_cores(),
     }
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def write_profile(profile: dict, folder: Path) -> Path:
@@ -102,8 +109,6 @@ def write_profile(profile: dict, folder: Path) -> Path:
 def run_calibration(device: torch.device, run_dir: Path) -> Path | None:
     """Join the process group of torchrun's or SLURM's environment, measure, and write the profile in `run_dir`
     (rank 0); returns its path on rank 0."""
-    import os
-
     from forge.parallel.dist import init_distributed, teardown
     from forge.parallel.env import read_dist_env
 

@@ -21,7 +21,9 @@ the rank's blocks (and head, on the last stage) from forge.metrics.flops:
     pp p2p     = T / dp x dim activations sent per stage boundary and direction (forward from all but the last
                  stage, gradients back from all but the first); with tied embeddings the first and last stage
                  also all-reduce the embedding's gradient shard (4 V dim / tp / dp_shard bytes)
-    bubble     = (compute + recompute) x (pp - 1) / microbatches (/ 2 for interleaved 1F1B's two stages per rank)
+    bubble     = (compute + recompute) x (pp - 1) / microbatches (/ 2 for interleaved 1F1B's two stages per rank);
+                 none on a CPU host whose ranks share its cores (Device.shares_cores: the waiting rank's cores
+                 serve the busy ones)
     latency    = every collective's launch (10 us inside a node, 30 us across)
 
 Links: a mesh dimension whose ranks span at most gpus_per_node consecutive ranks uses the intra-node bandwidth,
@@ -253,7 +255,8 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
                 seconds, lat = seconds + more, lat + more_lat
             t["pp_p2p"] = seconds
             latency += lat
-            t["bubble"] = busy * (layout.pp - 1) / layout.microbatches / stages_per_rank(layout.pp_schedule)
+            if not device.shares_cores:  # else a waiting rank's cores serve the busy ones
+                t["bubble"] = busy * (layout.pp - 1) / layout.microbatches / stages_per_rank(layout.pp_schedule)
         t["latency"] = latency
         total = sum(t.values())
         if worst is None or total > worst[2]:

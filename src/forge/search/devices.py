@@ -26,6 +26,10 @@ class Device:
     """Bytes/s per GPU across nodes."""
     peaks: dict[str, float] | None = None
     """Measured FLOP/s by dtype (a calibrated profile); None: the peak table's."""
+    shares_cores: bool = False
+    """A CPU host whose ranks outnumber its cores (a calibrated profile says so): a rank that waits in a
+    pipeline's bubble leaves its cores to the busy ones, so the bubble costs no time (the per-rank rate was
+    measured with every rank computing at once)."""
 
     def peak_flops(self, dtype: str) -> float:
         flops = self.peaks.get(dtype) if self.peaks else table_peak(self.name, dtype)
@@ -64,4 +68,7 @@ def device_from_profile(path: str | Path) -> Device:
     intra = positive(profile["intra_node"], "intra_node") if profile.get("intra_node") is not None else inter
     peaks = {dtype: positive(value, f"peak_flops.{dtype}") for dtype, value in profile["peak_flops"].items()}
     name = str(profile.get("name", path.stem))
-    return Device(name, positive(profile.get("memory_gib"), "memory_gib"), intra, inter, peaks)
+    shares = profile.get("shares_cores", False)
+    if not isinstance(shares, bool):
+        raise ValueError(f"search.profile={path}: shares_cores is {shares!r}, not true or false")
+    return Device(name, positive(profile.get("memory_gib"), "memory_gib"), intra, inter, peaks, shares)
