@@ -42,7 +42,7 @@ class Peak:
     source: str
     """table, measured, cached measurement, config, or why it is unknown."""
     remeasure: Callable[[], "Peak"] | None = None
-    """For a cached measurement: measure again and replace the cache entry (the meter calls it when a run goes
+    """For a cached measurement: measure again and raise the cache entry (the meter calls it when a run goes
     faster than the cached peak, which was then measured while something else ran)."""
 
 
@@ -118,7 +118,7 @@ def matmul_size_for(device: torch.device, dtype: str, largest: int = 2048, budge
 
 def measured_peak(device: torch.device, dtype: str, name: str, refresh: bool = False) -> Peak:
     """A measured peak, cached in FORGE_CACHE_DIR/peak_flops.json by device model, dtype and threads; `refresh`
-    measures again and replaces the cached value."""
+    measures again and caches the higher of the two."""
     key = f"{name}|{dtype}|threads={torch.get_num_threads()}|v2"
     path = cache_dir() / "peak_flops.json"
     try:
@@ -128,6 +128,7 @@ def measured_peak(device: torch.device, dtype: str, name: str, refresh: bool = F
     if key in cache and not refresh:
         return Peak(cache[key], f"cached measurement ({key})", lambda: measured_peak(device, dtype, name, True))
     flops = measure_matmul_flops(device, dtype, matmul_size_for(device, dtype), seconds=0.6)
+    flops = max(flops, cache.get(key, 0.0))  # a measurement again (refresh) never lowers the cached peak
     cache[key] = flops
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -57,8 +57,9 @@ def apply_vlm_fsdp(model: nn.Module, shard_mesh: DeviceMesh, policy: MixedPrecis
     """FSDP2 of each unit the strategy names, then the root; the vision tower is one more unit when the schedule
     trains it, and stays whole on every rank when it is frozen for the run.
 
-    Units gather in the policy's parameter dtype. The root does not cast its inputs (pixels stay as the data gives
-    them): a frozen tower is not FSDP's and keeps its own dtype, and autocast decides what its matmuls run in."""
+    Units gather in the policy's parameter dtype and cast their floating inputs to it (a trained tower, a unit,
+    its pixels). The root does not cast its inputs: a frozen tower is not FSDP's, keeps its own dtype and reads
+    the pixels as the data gives them, and autocast decides what its matmuls run in."""
     units = list(model.fsdp_units())
     ignored = None
     if model.train_encoder_from_step is None:

@@ -93,8 +93,9 @@ def calibrate(device: torch.device, local_ranks: int, nodes: int) -> dict:
 
 
 def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The host's CPU cores (not this rank's affinity mask: a launcher that binds each rank to its own cores gives
+    each a slice, and the ranks together still have them all)."""
+    return os.cpu_count() or 1
 
 
 def write_profile(profile: dict, folder: Path) -> Path:
