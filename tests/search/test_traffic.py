@@ -31,12 +31,17 @@ LAYOUTS = {  # preset -> the same layout as the search writes it
     "tp2_fsdp": Layout(1, 2, 2, 1, 1, "none", 1),
     "pp2_fsdp": Layout(1, 2, 1, 2, 1, "none", 4, "1f1b", 4),  # one micro-batch of 4 chunks
     "ep2_fsdp": Layout(1, 4, 1, 1, 2, "none", 1),
+    "pp2": Layout(2, 1, 1, 2, 1, "none", 2, "1f1b", 2),  # x DDP over 2: 2 micro-batches of 2 chunks
 }
 MODEL = {"ep2_fsdp": ["model=moe_tiny"]}
 """The MoE layout trains the default MoE (8 experts, top 2) at the tiny width."""
-MICRO = {"pp2_fsdp": []}
+MICRO = {
+    "pp2_fsdp": [],
+    "pp2": ["train.micro_batch_size=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.microbatches=2"],
+}
 """Micro-batch overrides: 1 sample (2 or 4 micro-batches per rank: the per-micro-batch traffic counts), except
-under the pipeline (its 4 chunks need 4 samples)."""
+under the pipelines (pp2_fsdp's 4 chunks need 4 samples; pp2 runs over 2 DDP replicas, 2 micro-batches each,
+where the schedule reduces once per micro-batch)."""
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -110,10 +115,10 @@ def sent(counted: dict, layout: Layout) -> dict[str, float]:
     """Bytes this rank sent, by the cost model's names. The all-to-alls count as the cost model counts them, under
     uniform routing: (ep - 1) / ep of the tokens they carry (test_expert_tokens_cross_ranks_as_routing_sends checks
     the share the router really sent)."""
-    out = {
-        "fsdp_all_gather": total(counted, "c10d._allgather_base_.default", lambda n: (n - 1) / n),
-        "fsdp_reduce_scatter": total(counted, "c10d._reduce_scatter_base_.default", lambda n: n - 1),
-    }
+    out = {}
+    if layout.dp_shard > 1:
+        out["fsdp_all_gather"] = total(counted, "c10d._allgather_base_.default", lambda n: (n - 1) / n)
+        out["fsdp_reduce_scatter"] = total(counted, "c10d._reduce_scatter_base_.default", lambda n: n - 1)
     if layout.dp_replicate > 1:
         out["replicate_all_reduce"] = total(counted, "c10d.allreduce_.default", lambda n: 2 * (n - 1) / n)
     if layout.pp > 1:  # rank 0: the first stage, which sends its activations on

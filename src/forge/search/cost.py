@@ -11,7 +11,8 @@ the rank's blocks (and head, on the last stage) from forge.metrics.flops:
                  c the pipeline chunks (microbatches; 1 without pp), each reduce-scattered after its backward;
                  blocks gathered twice per chunk (forward, backward), the root (embedding, norm, head) once per
                  chunk; routed experts: their E / ep on this rank, over the dp_shard / ep ranks that share them
-    replicate  = (n x c, or 1 without FSDP) x 2 (r - 1) / r x 4 P_rank / link: the gradient all-reduce over dp_replicate
+    replicate  = (n x c; without FSDP 1, or n in a pipeline) x 2 (r - 1) / r x 4 P_rank / link: the gradient
+                 all-reduce over dp_replicate
     exposed dp = max(0, fsdp + replicate - compute - recompute) + one block's gather per micro-batch: FSDP prefetch
                  and the backward hide the rest
     tp         = n x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
@@ -221,7 +222,9 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             latency += lat
             t["exposed_dp"] += seconds / max(3 * len(blocks), 1)  # each micro-batch's first gather
         if layout.dp_replicate > 1:
-            syncs = n_micro * chunks if layout.dp_shard > 1 else 1
+            # FSDP reduces after each chunk; DDP once, but a pipeline's schedule reduces at the end of each of its
+            # steps (one per micro-batch) whatever the sync setting says
+            syncs = n_micro * chunks if layout.dp_shard > 1 else (n_micro if layout.pp > 1 else 1)
             moved["replicate_all_reduce"] = syncs * 2 * (layout.dp_replicate - 1) / layout.dp_replicate * 4 * local
             seconds, lat = links.seconds("dp_replicate", moved["replicate_all_reduce"], syncs * len(blocks))
             hidden += seconds
