@@ -216,12 +216,17 @@ def apply_fsdp(
     else:
         kind = "HSDP" if mesh.size(1) > 1 else "DDP (FSDP2 on a replicate-only mesh)"
     shape = mesh_dims(mesh)
-    gathered = str(policy.param_dtype or torch.float32).removeprefix("torch.")
-    reduced = str(policy.reduce_dtype or policy.param_dtype or torch.float32).removeprefix("torch.")
     blocks = len(model.layers)
-    detail = f"{kind} over mesh {shape}: {blocks} blocks and the root (gathers {gathered}, reduces {reduced})"
+    detail = f"{kind} over mesh {shape}: {blocks} blocks and the root ({policy_dtypes(policy)})"
     applied.append(logged(Applied("fsdp", detail, shape)))
     return applied
+
+
+def policy_dtypes(policy: MixedPrecisionPolicy) -> str:
+    """'gathers <dtype>, reduces <dtype>': what an FSDP record says of its policy."""
+    gathered = str(policy.param_dtype or torch.float32).removeprefix("torch.")
+    reduced = str(policy.reduce_dtype or policy.param_dtype or torch.float32).removeprefix("torch.")
+    return f"gathers {gathered}, reduces {reduced}"
 
 
 def fully_shard_experts(

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from forge.parallel.applied import Applied, logged
-from forge.parallel.plan import checkpoint_options, fsdp_mesh, mesh_dims
+from forge.parallel.plan import checkpoint_options, fsdp_mesh, mesh_dims, policy_dtypes
 
 
 def parallelize_vlm(
@@ -71,12 +71,8 @@ def apply_vlm_fsdp(model: nn.Module, shard_mesh: DeviceMesh, policy: MixedPrecis
     root = dataclasses.replace(policy, cast_forward_inputs=False)
     fully_shard(model, mesh=shard_mesh, ignored_params=ignored, mp_policy=root)
     frozen = "replicated (frozen)" if ignored else "sharded (trained by the schedule)"
-    gathered = str(policy.param_dtype or torch.float32).removeprefix("torch.")
-    reduced = str(policy.reduce_dtype or policy.param_dtype or torch.float32).removeprefix("torch.")
-    detail = (
-        f"FSDP over {shard_mesh.size()} ranks: {len(units)} units and the root (gathers {gathered}, reduces "
-        f"{reduced}); vision tower {frozen}"
-    )
+    detail = f"FSDP over {shard_mesh.size()} ranks: {len(units)} units and the root ({policy_dtypes(policy)}); "
+    detail += f"vision tower {frozen}"
     return logged(Applied("fsdp", detail, mesh_dims(shard_mesh)))
 
 
