@@ -49,6 +49,7 @@ EXPECT = {
     "forge-train hydra.searchpath=": "warmup cut to 4 steps",  # the experiment's train.steps: 4 applied
     "forge-train --plan --search": "winner: parallel.dp_replicate=",  # before its prefix: the first match counts
     "torchrun --nproc_per_node=2 -m forge.train --calibrate": "device profile: ",
+    "torchrun --nproc_per_node=2 -m forge.train parallel=cp2": "context parallel over 2 ranks",
     "forge-train --plan": "plan for 32 ranks",
     "forge-train --help": (
         "== Config groups",

@@ -2,11 +2,12 @@
 
 One `forge-train` run under torchrun (FSDP over 4 ranks, 6 steps, checkpoints at steps 3 and 6) is both the
 checkpoint and the reference. Each other layout (HSDP 2 x 2, TP 2 x FSDP 2, one process, interleaved
-1F1B over 2 pipeline ranks) resumes from the step-3 checkpoint on forked gloo ranks (tests/parallel/harness.py;
-the worker, tests/checkpoint/layout_worker.py, also runs under torchrun): its restored
+1F1B over 2 pipeline ranks, context parallel 2 x FSDP 2) resumes from the step-3 checkpoint on forked gloo ranks
+(tests/parallel/harness.py; the worker, tests/checkpoint/layout_worker.py, also runs under torchrun): its restored
 model and optimizer, gathered to full tensors, must equal the checkpoint's contents read in this process with
 `dcp_to_torch_save`; its losses of steps 4-6 must match the uninterrupted run's; and its own step-6 checkpoint must
-hold the same keys as the reference's, with nearly the same values.
+hold the same keys as the reference's, with nearly the same values. And a context-parallel run's checkpoint
+resumes in one process, bit for bit.
 """
 
 import os
@@ -18,6 +19,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from forge.config import compose
+from forge.train.trainer import Trainer
 from tests.checkpoint.layout_worker import resume
 from tests.parallel.harness import launch
 from tests.parallel.scenarios import TINY
@@ -105,6 +108,7 @@ LAYOUTS = {
     "tp2_fsdp2": (["parallel=tp2_fsdp"], [(ALL_BLOCKS, ["_S(0, 2)", "S(0)"])] * 4),
     "single": (["parallel=single"], [(ALL_BLOCKS, [])]),
     "pp2_interleaved": (INTERLEAVED, [([0, 2], []), ([1, 3], [])]),  # two stages per rank: an nn.ModuleList
+    "cp2_fsdp2": (["parallel=cp2_fsdp"], [(ALL_BLOCKS, ["S(0)"])] * 4),  # FSDP over dp_shard 2 x cp 2
 }
 
 
@@ -140,3 +144,27 @@ def test_fsdp4_checkpoint_resumes_in_another_layout(saved, layout, tmp_path):
     assert sorted(final["model"]) == sorted(expected["model"])
     assert sorted(final["optim"]["state"]) == sorted(expected["optim"]["state"])
     torch.testing.assert_close(final["model"], expected["model"], rtol=PARAM_RTOL, atol=PARAM_ATOL)
+
+
+def train(run_dir: str, overrides: list[str]) -> dict:
+    trainer = Trainer(compose(overrides), Path(run_dir))
+    trainer.fit()
+    return {"cp": trainer.degrees.cp, "splits_sequences": trainer.step.context is not None}
+
+
+def test_context_parallel_checkpoint_resumes_in_one_process(tmp_path):
+    """cp 2 on 2 gloo ranks saves at step 3; one process restores it bit for bit and trains on with its losses."""
+    cp_run, run, dumps = tmp_path / "cp2", tmp_path / "run", tmp_path / "dumps"
+    ran = launch(train, 2, str(cp_run), [*COMMON, "parallel=cp2", f"checkpoint.milestones=[{SAVED_AT}]"], timeout=420)
+    assert ran == [{"cp": 2, "splits_sequences": True}] * 2
+    checkpoint = cp_run / f"checkpoints/step-{SAVED_AT:08d}"
+    resume(str(run), str(dumps), [*COMMON, "parallel=single", f"checkpoint.resume={checkpoint}"])
+
+    state, restored = consolidated(checkpoint), merged_dumps(dumps)
+    assert_identical(state["model"], restored["model"], "model")
+    assert_identical(state["optim"]["state"], restored["optim"], "optimizer state")
+    resumed, whole = losses(run), losses(cp_run)
+    assert sorted(resumed) == list(range(SAVED_AT + 1, STEPS + 1))
+    torch.testing.assert_close(
+        [resumed[s] for s in sorted(resumed)], [whole[s] for s in sorted(resumed)], rtol=LOSS_RTOL, atol=0
+    )

@@ -13,8 +13,8 @@ from forge.parallel.mesh import mesh_shape
 from forge.parallel.plan import fsdp_mesh, parallelize
 
 
-def degrees(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1) -> Degrees:
-    return Degrees(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
+def degrees(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, cp=1) -> Degrees:
+    return Degrees(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep, cp=cp)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def mesh_groups(layout: Degrees) -> dict:
 
     import torch.distributed as dist
 
-    from forge.parallel.mesh import build_mesh, dp_mesh, expert_fsdp_mesh
+    from forge.parallel.mesh import build_mesh, dp_mesh, expert_fsdp_mesh, token_mesh
 
     def ranks(sub) -> list[list[int]] | None:
         return None if sub is None else sub.mesh.reshape(-1, sub.mesh.shape[-1]).tolist()
@@ -99,6 +99,8 @@ def mesh_groups(layout: Degrees) -> dict:
         groups = {"dp": ranks(dp_mesh(mesh)), "fsdp": ranks(fsdp_mesh(mesh))}
         if layout.ep > 1:
             groups["expert_fsdp"] = ranks(expert_fsdp_mesh(mesh))
+        if layout.cp > 1:
+            groups["tokens"] = ranks(token_mesh(mesh))
     groups["dp_size_seen"] = dist.get_world_size(dp_mesh(mesh).get_group())
     return groups
 
@@ -138,6 +140,18 @@ def row_major_groups(shape: dict[str, int], keep: tuple[str, ...], rank: int) ->
                 "expert_fsdp": ("dp_replicate", "dp_shard_mod_ep"),
             },
         ),
+        (
+            degrees(dp_replicate=2, dp_shard=2, cp=2),
+            {
+                "dp": ("dp_replicate", "dp_shard"),
+                "fsdp": ("dp_replicate", "dp_shard", "cp"),
+                "tokens": ("dp_replicate", "dp_shard", "cp"),
+            },
+        ),
+        (
+            degrees(dp_shard=2, cp=2, tp=2),
+            {"dp": ("dp_shard",), "fsdp": ("dp_shard", "cp"), "tokens": ("dp_shard", "cp")},
+        ),
     ],
 )
 def test_flattened_mesh_dims_are_kept_not_sliced_from_the_root(layout, want):
@@ -150,8 +164,8 @@ def test_flattened_mesh_dims_are_kept_not_sliced_from_the_root(layout, want):
     for rank, groups in enumerate(got):
         for name, dims in want.items():
             flat = sum(row_major_groups(shape, dims, rank), [])
-            # dp is 1-D; FSDP and expert FSDP meshes are 2-D (dp_replicate, shard) under HSDP.
-            rows = layout.dp_replicate if name != "dp" and layout.dp_replicate > 1 else 1
+            # dp and the token ranks are 1-D; FSDP and expert FSDP meshes are 2-D (dp_replicate, shard) under HSDP.
+            rows = layout.dp_replicate if name not in ("dp", "tokens") and layout.dp_replicate > 1 else 1
             expected = torch.tensor(flat).reshape(rows, -1).tolist()
             assert groups[name] == expected, (rank, name)
         assert groups["dp_size_seen"] == layout.dp

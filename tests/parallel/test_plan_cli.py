@@ -114,3 +114,53 @@ def test_plan_of_tied_embeddings_on_four_stages_names_the_gradient_exchange():
     assert "stages 0 and 3" in line
     vocab, dim = cfg.model.vocab_size, cfg.model.dim
     assert f"{vocab * dim // 16:,} elements" in line  # this rank's FSDP shard of the matrix
+
+
+def saved_activation_bytes(loss_fn) -> int:
+    """Bytes of the tensors autograd saves for the backward of `loss_fn()` (each storage once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_activation_estimate_matches_what_autograd_saves_on_a_context_parallel_rank(cp):
+    """One cp rank's forward, simulated in one process: its attention layers get the shapes of the cp gather
+    (the rank's keys and values repeated cp times), its queries the rank's positions, its mask the documents'.
+    The estimate's activations (with the gathered keys and values and the per-block masks; cp 1 is a plain run
+    with document masking) must be within 15 %."""
+    import torch.nn.functional as F
+
+    from forge.config.degrees import Degrees
+    from forge.model import TransformerArgs
+    from forge.model.attention import DocumentMask
+    from forge.model.transformer import Attention, build_transformer
+    from forge.parallel.context_parallel import chunk_positions, gathered_positions
+
+    batch, seq = 2, 512
+    args = TransformerArgs(dim=128, n_layers=4, n_heads=4, vocab_size=512, ffn_dim=512, max_seq_len=seq)
+    model = build_transformer(args)
+    for module in model.modules():
+        if isinstance(module, Attention) and cp > 1:
+            module.gather_kv = lambda t: torch.cat([t] * cp, dim=2)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq))
+    queries = chunk_positions(seq, cp, 0)
+    mask = DocumentMask(torch.arange(seq).div(40, rounding_mode="floor").expand(batch, seq), queries)
+    if cp > 1:
+        mask = DocumentMask(mask.doc_ids, queries, gathered_positions(seq, cp))
+
+    def loss():
+        logits = model(tokens[:, queries], attn_mask=mask)
+        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, queries].flatten())
+
+    measured = saved_activation_bytes(loss)
+    n = sum(p.numel() for p in model.parameters())
+    degrees = Degrees(1, 1, 1, 1, 1, cp)
+    estimated = estimate_memory(args, degrees, n, args.n_layers, True, batch, seq, 1.0, 4, dense_masks=True)
+    assert estimated.activations == pytest.approx(measured, rel=0.15)

@@ -12,15 +12,27 @@ class Degrees:
     tp: int
     pp: int
     ep: int
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks: each sees different data."""
+        """Data-parallel ranks: each sees different data (context-parallel peers share theirs)."""
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP shards parameters over: dp_shard x cp (context-parallel ranks join the shard group, as in
+        torchtitan, since they hold the same parameters)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def token_ranks(self) -> int:
+        """Ranks that hold different tokens of a step: dp x cp. Gradients are averaged over them."""
+        return self.dp * self.cp
+
+    @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
 
 def resolve_degrees(parallel, world_size: int) -> Degrees:
@@ -29,7 +41,7 @@ def resolve_degrees(parallel, world_size: int) -> Degrees:
     Expert parallelism borrows ranks from the data-parallel shard dimension (as in torchtitan), so `ep` does not
     enter the product; forge.config.validate checks that it divides dp_shard.
     """
-    sizes = {k: int(parallel[k]) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
+    sizes = {k: int(parallel.get(k, 1)) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
     free = [k for k, v in sizes.items() if v == -1]
     if len(free) > 1:
         raise ConfigError(f"only one parallel degree may be -1, got {', '.join('parallel.' + k for k in free)}")

@@ -36,6 +36,9 @@ class ParallelConfig:
     """Data-parallel replicas (DDP, or the replicate dimension of HSDP)."""
     dp_shard: int = -1
     """FSDP shard degree; -1 fills what the other degrees leave of the world size."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over cp ranks (load-balanced causal chunks), keys and values
+    all-gathered across them in every attention layer; parameters are FSDP-sharded over dp_shard x cp."""
     tp: int = 1
     """Tensor-parallel degree (heads and MLP split; sequence parallel on norms)."""
     pp: int = 1

@@ -470,7 +470,7 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
         )
         return
     _require(media_data, "vlm is set but the data has no images: use data=vqa_embedded, video_embedded or image_text")
-    for name in ("tp", "pp", "ep"):
+    for name in ("tp", "pp", "ep", "cp"):
         value = getattr(degrees, name)
         _require(value == 1, f"parallel.{name}={value} is not supported with a VLM (data parallelism and FSDP only)")
     for key in ("compile", "fp8"):
@@ -484,6 +484,30 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
         cfg.data.max_frames >= cfg.data.min_frames >= 1,
         f"data.max_frames={cfg.data.max_frames} >= data.min_frames={cfg.data.min_frames} >= 1 must hold",
     )
+
+
+def validate_context_parallel(cfg: DictConfig, degrees: Degrees) -> None:
+    """parallel.cp splits each sequence into 2 x cp chunks (forge.parallel.context_parallel) on the text path."""
+    cp = degrees.cp
+    if cp == 1:
+        return
+    seq = cfg.train.seq_len
+    _require(
+        seq % (2 * cp) == 0,
+        f"train.seq_len={seq} is not divisible by 2 x parallel.cp={cp} (each cp rank holds two equal chunks)",
+    )
+    refused = {
+        f"parallel.pp={degrees.pp}": degrees.pp > 1,
+        "an MoE model (model.moe is set)": cfg.model.get("moe") is not None,
+        "model.attention=flex": cfg.model.attention == "flex",
+        "parallel.compile=true": bool(cfg.parallel.compile),
+    }
+    for what, applies in refused.items():
+        _require(
+            not applies,
+            f"parallel.cp={cp} with {what} is not supported yet (context parallelism covers dense models with SDPA, "
+            "any dp, fsdp and tp; use parallel.cp=1)",
+        )
 
 
 def validate_loss(cfg: DictConfig, degrees: Degrees) -> None:
@@ -553,6 +577,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     degrees = resolve_degrees(cfg.parallel, world_size)
     validate_train(cfg, degrees)
     validate_parallel(cfg, degrees)
+    validate_context_parallel(cfg, degrees)
     validate_combinations(cfg, degrees)
     validate_optimizer_and_schedule(cfg)
     validate_metrics(cfg)

@@ -31,6 +31,13 @@ class DocumentMask:
     model builds each layer's mask from them, for its kernel and its sliding window."""
 
     doc_ids: torch.Tensor
+    """(batch, seq) document ids of the whole sequences (batch may be 1, broadcast)."""
+    queries: torch.Tensor | None = None
+    """(q,) positions in the sequence of the tokens this forward holds, when it holds only part of each sequence
+    (context parallelism, forge.parallel.context_parallel); they are also the tokens' RoPE positions. None: all."""
+    keys: torch.Tensor | None = None
+    """(k,) positions of the keys attention sees, in the order it sees them (after the context-parallel gather).
+    None: the queries'."""
 
 
 def layer_window(sliding_window: int | list[int | None] | None, layer_id: int) -> int | None:
@@ -58,15 +65,23 @@ def _window_tensor(window: int | None, seq: int, device: torch.device) -> torch.
     return torch.tensor(seq if window is None else window, device=device)
 
 
-def dense_attention_mask(doc_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """Boolean (B, 1, S, S) mask for SDPA, True where `allowed`."""
+def dense_attention_mask(
+    doc_ids: torch.Tensor,
+    window: int | None = None,
+    queries: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Boolean (B, 1, Q, K) mask for SDPA, True where `allowed`: of every position (S x S), or of the query and key
+    positions given (a DocumentMask's, under context parallelism)."""
     batch, seq = doc_ids.shape
     device = doc_ids.device
     b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
     pos = torch.arange(seq, device=device)
+    queries = pos if queries is None else queries
+    keys = queries if keys is None else keys
     zero = torch.zeros((), dtype=torch.long, device=device)
     rule = allowed(doc_ids, _window_tensor(window, seq, device))
-    return rule(b, zero, pos.view(1, 1, seq, 1), pos.view(1, 1, 1, seq))
+    return rule(b, zero, queries.view(1, 1, -1, 1), keys.view(1, 1, 1, -1))
 
 
 @functools.cache
@@ -107,6 +122,11 @@ def layer_masks(
         elif mask is None and window is None and not flex:
             masks[window] = None  # SDPA's own causal mask
         else:
+            if mask is not None and mask.queries is not None:
+                if flex:
+                    raise NotImplementedError("flex attention over part of each sequence (context parallelism)")
+                masks[window] = dense_attention_mask(mask.doc_ids, window, mask.queries, mask.keys)
+                continue
             doc_ids = mask.doc_ids if mask is not None else torch.zeros(batch, queries, dtype=torch.long, device=device)
             masks[window] = flex_block_mask(doc_ids, window) if flex else dense_attention_mask(doc_ids, window)
     return masks

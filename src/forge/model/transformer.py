@@ -5,6 +5,7 @@ embedding, final norm and output head may be None on a stage that holds only a s
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,6 +58,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        # (batch, heads, part, head_dim) -> the whole sequence's: set when each rank holds part of every sequence
+        # (forge.parallel.context_parallel); the mask's keys say which positions the gathered rows are.
+        self.gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -78,6 +82,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.update(layer_id, k, v)
+        if self.gather_kv is not None:
+            k, v = self.gather_kv(k), self.gather_kv(v)
         out = attend(q, k, v, attn_mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -252,13 +258,16 @@ class Transformer(nn.Module):
 
         attn_mask: optional boolean (batch, 1, seq, seq), True where attention is allowed (already causal); with a
         cache it spans (batch, 1, seq, cached + seq). Or the DocumentMask of packed samples, from which each layer's
-        mask is built for args.attention and the layer's sliding window (forge.model.attention).
+        mask is built for args.attention and the layer's sliding window (forge.model.attention); one with `queries`
+        says which positions of the whole sequences `tokens` are (context parallelism), and sets their positions.
         cache: a KVCache to read past keys/values from and append these positions to (incremental decoding).
         positions: optional (batch, seq) rotary positions; default cache.length + 0..seq-1 (0.. without a cache).
         head: False returns the final-norm hidden states instead of logits (a chunked loss applies the head).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None and self.embeds_tokens else tokens
         seq = h.shape[1]
+        if positions is None and isinstance(attn_mask, DocumentMask) and attn_mask.queries is not None:
+            positions = attn_mask.queries[None]  # part of each sequence: its tokens keep their positions
         if positions is None and cache is None:
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         else:

@@ -6,9 +6,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from forge.config.degrees import Degrees
 
-# Outer to inner: pipeline stages talk least, tensor-parallel ranks most (so tp stays inside a node). With expert
+# Outer to inner: pipeline stages talk least, tensor-parallel ranks most (so tp stays inside a node); context
+# parallelism all-gathers keys and values every layer, so it sits next to tp, as in torchtitan. With expert
 # parallelism dp_shard is split into (dp_shard_mod_ep, ep): ep borrows the inner FSDP ranks, as in torchtitan.
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "dp_shard_mod_ep", "ep", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "dp_shard_mod_ep", "ep", "cp", "tp")
 
 
 def mesh_shape(degrees: Degrees) -> dict[str, int]:
@@ -20,7 +21,13 @@ def mesh_shape(degrees: Degrees) -> dict[str, int]:
     weights are sharded over ep and FSDP-sharded over dp_shard_mod_ep (replicated when that is 1); `build_mesh`
     flattens the two back into dp_shard for the other weights.
     """
-    sizes = {"pp": degrees.pp, "dp_replicate": degrees.dp_replicate, "dp_shard": degrees.dp_shard, "tp": degrees.tp}
+    sizes = {
+        "pp": degrees.pp,
+        "dp_replicate": degrees.dp_replicate,
+        "dp_shard": degrees.dp_shard,
+        "cp": degrees.cp,
+        "tp": degrees.tp,
+    }
     keep = {name: size for name, size in sizes.items() if size > 1}
     if degrees.dp_replicate > 1 and "dp_shard" not in keep:
         keep["dp_shard"] = 1
@@ -48,6 +55,17 @@ def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh | None:
     if "ep" in shape and "dp_replicate" in shape:
         sizes = (degrees.dp_replicate, degrees.dp_shard)
         flattened["dp_replicate", "dp_shard"] = _unflatten(flattened["dp",], mesh, sizes)
+    if "cp" in shape:
+        shard_dims = tuple(name for name in ("dp_shard", "cp") if name in shape)
+        flattened["dp_shard_cp",] = mesh[shard_dims]._flatten("dp_shard_cp") if len(shard_dims) > 1 else mesh["cp"]
+        token_dims = (*dp_dims, "cp")
+        if len(token_dims) > 1:
+            flattened["dp_cp",] = mesh[token_dims]._flatten("dp_cp")
+        if "dp_replicate" in shape:
+            sizes = (degrees.dp_replicate, degrees.fsdp_shard)
+            flattened["dp_replicate", "dp_shard_cp"] = _unflatten(
+                flattened["dp_cp",], mesh, sizes, ("dp_replicate", "dp_shard_cp")
+            )
     setattr(mesh, _FLATTENED, flattened)
     return mesh
 
@@ -68,11 +86,14 @@ def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
 _FLATTENED = "_forge_flattened"
 
 
-def _unflatten(dp: DeviceMesh, root: DeviceMesh, sizes: tuple[int, int]) -> DeviceMesh:
-    """The 2-D (dp_replicate, dp_shard) mesh whose dp_shard is itself flattened from (dp_shard_mod_ep, ep)."""
+def _unflatten(
+    dp: DeviceMesh, root: DeviceMesh, sizes: tuple[int, int], names: tuple[str, str] = ("dp_replicate", "dp_shard")
+) -> DeviceMesh:
+    """The 2-D (dp_replicate, shard) mesh whose shard dimension is itself flattened: dp_shard from
+    (dp_shard_mod_ep, ep), or dp_shard_cp from (dp_shard, cp)."""
     if hasattr(dp, "_unflatten"):  # PyTorch >= 2.10
-        return dp._unflatten(0, sizes, ("dp_replicate", "dp_shard"))
-    return root["dp_replicate", "dp_shard"]
+        return dp._unflatten(0, sizes, names)
+    return root[names]
 
 
 def dp_dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -112,19 +133,25 @@ def dp_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
     return sub.get_local_rank(), sub.size()
 
 
-def sum_over_dp(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
-    """Sum a tensor over the data-parallel ranks (a copy; the value itself for one rank)."""
-    sub = dp_mesh(mesh)
+def token_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The 1-D mesh over the ranks that hold different tokens of a step: the data-parallel ranks, and with context
+    parallelism each one's cp peers (which hold other positions of the same sequences)."""
+    if mesh is None or "cp" not in (mesh.mesh_dim_names or ()):
+        return dp_mesh(mesh)
+    return submesh(mesh, "dp_cp" if dp_dim_names(mesh) else "cp")
+
+
+def token_ranks(mesh: DeviceMesh | None) -> int:
+    """How many ranks hold different tokens of a step (dp x cp); the gradients are averaged over them."""
+    sub = token_mesh(mesh)
+    return 1 if sub is None else sub.size()
+
+
+def sum_over_token_ranks(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """Sum a tensor over the ranks of `token_mesh` (a copy; the value itself for one rank)."""
+    sub = token_mesh(mesh)
     if sub is None or sub.size() == 1:
         return value
     total = value.detach().clone()
     dist.all_reduce(total, group=sub.get_group())
     return total
-
-
-def mean_over_dp(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
-    """Average a scalar over the data-parallel ranks (a no-op for one rank)."""
-    sub = dp_mesh(mesh)
-    if sub is None or sub.size() == 1:
-        return value
-    return sum_over_dp(value, mesh) / sub.size()  # gloo has no ReduceOp.AVG

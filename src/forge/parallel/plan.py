@@ -1,7 +1,8 @@
 """The parallel plan: one function applies every transform to the meta-device model, in this order.
 
-tensor parallel -> expert parallel -> global-batch router loads -> float8 -> activation checkpointing
--> per-block compile -> FSDP2. It returns what it applied, one record (forge.parallel.applied) per transform.
+tensor parallel -> context parallel -> expert parallel -> global-batch router loads -> float8 -> activation
+checkpointing -> per-block compile -> FSDP2. It returns what it applied, one record (forge.parallel.applied) per
+transform.
 
 TP must come first because FSDP shards the DTensors TP produced (2-D parameters); checkpointing and compile
 wrap whole blocks, and FSDP wraps last so its hooks run outside the checkpointed and compiled regions.
@@ -20,6 +21,7 @@ from forge.config.degrees import Degrees
 from forge.config.schema import ACTIVATION_CHECKPOINT_MODES
 from forge.model.moe import moe_layers
 from forge.parallel.applied import Applied, logged
+from forge.parallel.context_parallel import apply_context_parallel
 from forge.parallel.expert import shard_experts, sum_load_over
 from forge.parallel.mesh import dp_mesh, expert_fsdp_mesh, has_dp_shard, submesh
 from forge.parallel.tensor_parallel import apply_tensor_parallel
@@ -52,6 +54,8 @@ def parallelize(
     applied: list[Applied | None] = []
     if degrees.tp > 1:
         applied.append(apply_tensor_parallel(model, mesh["tp"]))
+    if degrees.cp > 1:
+        applied.append(apply_context_parallel(model, mesh["cp"]))
     if degrees.ep > 1:
         applied.append(apply_expert_parallel(model, mesh, degrees))
     applied.append(apply_global_router_loads(model, mesh))
@@ -104,7 +108,7 @@ def apply_float8(model: nn.Module, degrees: Degrees) -> Applied:
         raise RuntimeError("parallel.fp8=true needs torchao: pip install torchao") from err
     convert_to_float8_training(
         model,
-        config=Float8LinearConfig(enable_fsdp_float8_all_gather=degrees.dp_shard > 1),
+        config=Float8LinearConfig(enable_fsdp_float8_all_gather=degrees.fsdp_shard > 1),
         module_filter_fn=float8_filter,
     )
     detail = "float8 training of the blocks' linear layers (torchao; MoE routers and odd shapes stay high precision)"
@@ -161,8 +165,11 @@ def apply_compile(model: nn.Module) -> Applied:
 
 
 def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
-    """The mesh FSDP2 shards over: (dp_replicate, dp_shard) for HSDP and DDP, dp_shard for FSDP, else None."""
+    """The mesh FSDP2 shards over: (dp_replicate, dp_shard) for HSDP and DDP, dp_shard for FSDP, else None.
+    Context-parallel ranks hold the same parameters, so cp joins the shard dimension (dp_shard_cp)."""
     names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if "cp" in names:
+        return submesh(mesh, *(("dp_replicate",) if "dp_replicate" in names else ()), "dp_shard_cp")
     if "dp_replicate" in names:
         return submesh(mesh, "dp_replicate", "dp_shard")
     if has_dp_shard(mesh):

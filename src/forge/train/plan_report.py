@@ -19,9 +19,13 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
       bytes = 2 under bf16 autocast, 4 in fp32. Per block, autograd keeps: the two norms' inputs and outputs (4 d),
       q, k, v and the attention output for SDPA (2 d + 2 kv), the re-laid-out attention output fed to wo (d), and
       the SwiGLU's w1, w3, silu outputs and their product (4 f). Selective checkpointing is estimated as none.
-    With parallel.defer_grad_sync=true under FSDP (dp_shard > 1) the gradients accumulate unsharded until the last
-    micro-batch: grads 4P x dp_shard; in a pipeline torch's stage then also keeps the stage's parameters unsharded
-    through the step, in place of the 2 gathered blocks.
+    With context parallelism (cp > 1) T is the rank's seq_len / cp tokens, each block also keeps the other cp ranks'
+    keys and values (+ 2 kv (cp - 1) per token). Under a dense mask (context parallelism, or document masking or
+    a sliding window with SDPA) the boolean micro_batch_size x seq_len / cp x seq_len mask lives through the forward
+    and each block's SDPA keeps a copy in the compute dtype (only the recomputed block's under full checkpointing).
+    With parallel.defer_grad_sync=true under FSDP (dp_shard x cp > 1) the gradients accumulate unsharded until the
+    last micro-batch: grads 4P x dp_shard x cp; in a pipeline torch's stage then also keeps the stage's parameters
+    unsharded through the step, in place of the 2 gathered blocks.
 
 `--plan --materialize` then allocates rank 0's shards on the CPU and fills them through the real runs' sharded
 initialisation (forge.parallel.init: each rank draws only the row blocks of its shards, no collective), timing it:
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from forge.config import validate
 from forge.config.degrees import Degrees, resolve_degrees
@@ -116,19 +120,37 @@ def estimate_memory(
     in_flight: float,
     act_bytes: int,
     deferred_sync: bool = False,
+    dense_masks: bool = False,
 ) -> MemoryEstimate:
-    tokens = micro_batch_size * seq_len * in_flight
+    """The peak memory of the module docstring's formula. `dense_masks`: attention runs SDPA under a boolean mask
+    (document masking, or a sliding window, without flex), which SDPA keeps converted to the compute dtype per
+    block; context parallelism always does."""
+    cp = degrees.cp
+    tokens = micro_batch_size * seq_len * in_flight / cp
     head = (2 * args.dim + 4 * args.vocab_size) if has_head else 0
-    block = block_activation_elems(args)
-    full = tokens * (rank_blocks * block + head) * act_bytes / degrees.tp
-    ckpt = tokens * (rank_blocks * args.dim + block + head) * act_bytes / degrees.tp
-    gather = 2 * block_gather_params(args, degrees) / degrees.tp * act_bytes if degrees.dp_shard > 1 else 0
+    # context parallel: SDPA keeps the whole sequence's keys and values (cp x the rank's own)
+    block = block_activation_elems(args) + 2 * args.kv_heads * args.head_size * (cp - 1)
+    # a dense mask: the boolean (seq / cp x seq) mask per sample lives through the forward, and each block's SDPA
+    # keeps a copy in the compute dtype (under full checkpointing only the recomputed block's)
+    mask = micro_batch_size * in_flight * seq_len * seq_len / cp if dense_masks or cp > 1 else 0
+    full = tokens * (rank_blocks * block + head) * act_bytes / degrees.tp + mask * (1 + rank_blocks * act_bytes)
+    ckpt = tokens * (rank_blocks * args.dim + block + head) * act_bytes / degrees.tp + mask * (1 + act_bytes)
+    shard = degrees.fsdp_shard
+    gather = 2 * block_gather_params(args, degrees) / degrees.tp * act_bytes if shard > 1 else 0
     grads = 4 * local_params
-    if deferred_sync and degrees.dp_shard > 1:
-        grads *= degrees.dp_shard
+    if deferred_sync and shard > 1:
+        grads *= shard
         if degrees.pp > 1:
-            gather = local_params * degrees.dp_shard * act_bytes
+            gather = local_params * shard * act_bytes
     return MemoryEstimate(4 * local_params, grads, 8 * local_params, gather, full, ckpt)
+
+
+def uses_dense_masks(cfg: DictConfig) -> bool:
+    """SDPA runs under a boolean mask: documents or a sliding window without flex (forge.model.attention)."""
+    window = cfg.model.get("sliding_window")
+    windowed = any(w is not None for w in (list(window) if OmegaConf.is_list(window) else [window]))
+    documents = bool(cfg.data.get("document_masking", False))
+    return cfg.model.get("attention", "sdpa") == "sdpa" and (documents or windowed)
 
 
 @contextlib.contextmanager
@@ -225,6 +247,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         in_flight,
         2 if dtype == "bf16" else 4,
         deferred_sync=parallel.get("defer_grad_sync") is True,
+        dense_masks=uses_dense_masks(cfg),
     )
     checkpointed = parallel.activation_checkpoint == "full"
     lines.append(

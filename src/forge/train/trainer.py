@@ -16,6 +16,7 @@ from forge.metrics.logger import format_duration
 from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter
 from forge.model.moe import moe_metrics, update_router_biases
 from forge.parallel import dist
+from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.expert import sum_over_ranks
 from forge.parallel.mesh import build_mesh, dp_rank_and_size
 from forge.parallel.pipeline import Pipeline, build_pipeline
@@ -93,7 +94,7 @@ class Trainer:
         self.tokens_per_step = train.global_batch_size * train.seq_len
         self.eval_micro_batches = train.eval_batches * self.grad_accum  # per rank: eval_batches global batches
         defer = cfg.parallel.get("defer_grad_sync")
-        self.defer_grad_sync = self.degrees.dp_shard == 1 if defer is None else defer  # sharded: reduce each time
+        self.defer_grad_sync = self.degrees.fsdp_shard == 1 if defer is None else defer  # sharded: reduce each time
 
         self.build_model_and_data()
         self.float8_all_gather = float8_all_gather_enabled(self.model)
@@ -137,8 +138,15 @@ class Trainer:
         else:
             parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device, self.dtype)
             build.materialize_parallel(cfg, self.model, self.device, cfg.train.seed)
+            context = ContextSplit(self.mesh["cp"]) if self.degrees.cp > 1 else None
             self.step = TextStep(
-                self.model, self.device, self.dtype, self.mesh, self.defer_grad_sync, train_loss=self.batch_loss
+                self.model,
+                self.device,
+                self.dtype,
+                self.mesh,
+                self.defer_grad_sync,
+                train_loss=self.batch_loss,
+                context=context,
             )
         self.model = self.step.model
 

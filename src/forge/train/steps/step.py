@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from forge.data import Batch
-from forge.parallel.mesh import sum_over_dp
+from forge.parallel.mesh import sum_over_token_ranks
 
 
 class Step(Protocol):
@@ -37,5 +37,5 @@ class Step(Protocol):
 
 def token_mean(loss_sum: torch.Tensor, tokens: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """The mean token loss over every dp rank, from each rank's (loss sum, labelled tokens): one all-reduce."""
-    totals = sum_over_dp(torch.stack([loss_sum, tokens.to(loss_sum)]), mesh)
+    totals = sum_over_token_ranks(torch.stack([loss_sum, tokens.to(loss_sum)]), mesh)
     return totals[0] / totals[1].clamp(min=1)

@@ -10,8 +10,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from forge.data import Batch
 from forge.data.loader import batch_to_device
 from forge.model.moe import router_losses
+from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.grads import clip_grad_norm, set_gradient_sync
-from forge.parallel.mesh import dp_rank_and_size, sum_over_dp
+from forge.parallel.mesh import sum_over_token_ranks, token_ranks
 from forge.train.losses import IGNORE_INDEX, CrossEntropyLoss, Loss
 from forge.train.precision import autocast
 
@@ -25,7 +26,8 @@ class TextStep:
     `train_loss(batch)` is the training loss of one micro-batch, with autograd: the trainer's `batch_loss`, which
     runs conf/loss through this step's `batch_loss` (and lets resilience.inject_nan_at_step spoil one step's).
     `defer_grad_sync` reduces the gradients only after the last micro-batch (unsharded models; sharded ones reduce
-    at every micro-batch, so that no unsharded gradient is held between them).
+    at every micro-batch, so that no unsharded gradient is held between them). With `context` (context
+    parallelism) each micro-batch's forward, loss and token count cover this rank's part of every sequence.
     """
 
     def __init__(
@@ -36,21 +38,25 @@ class TextStep:
         mesh: DeviceMesh | None = None,
         defer_grad_sync: bool = False,
         train_loss: Callable[[Batch], torch.Tensor] | None = None,
+        context: ContextSplit | None = None,
     ):
         self.model = model
         self.device = device
         self.dtype = dtype
         self.mesh = mesh
-        self.dp_size = dp_rank_and_size(mesh)[1]
+        self.token_ranks = token_ranks(mesh)
         self.defer_grad_sync = defer_grad_sync
         self.train_loss = train_loss
+        self.context = context
 
     def labels(self, batch: Batch) -> torch.Tensor:
-        return batch[1]
+        return batch[1] if self.context is None else self.context.labels(batch[1])
 
     def batch_loss(self, batch: Batch, loss: Loss) -> torch.Tensor:
         """`loss` (a conf/loss) of one micro-batch, moved to this step's device, under its autocast."""
         inputs, labels, attn_mask = batch_to_device(batch, self.device)
+        if self.context is not None:
+            inputs, labels, attn_mask = self.context.shard(inputs, labels, attn_mask)
         with autocast(self.device, self.dtype):
             return loss(self.model, inputs, labels, attn_mask)
 
@@ -58,13 +64,13 @@ class TextStep:
         return (self.labels(batch) != IGNORE_INDEX).sum()
 
     def forward_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each micro-batch's mean loss is weighted by its labelled tokens x dp ranks / the step's labelled tokens
-        over all ranks (counted up front, one all-reduce), so that the gradients, which FSDP/DDP average over the
-        ranks, are those of the token mean: ignored labels (document masking, VLM prompts) weigh nothing. The MoE
-        aux and z losses are each a mean over a micro-batch's tokens, averaged over micro-batches and ranks."""
+        """Each micro-batch's mean loss is weighted by its labelled tokens x token ranks (dp x cp) / the step's
+        labelled tokens over them (counted up front, one all-reduce), so that the gradients, which FSDP/DDP average
+        over those ranks, are those of the token mean: ignored labels (document masking, VLM prompts) weigh nothing.
+        The MoE aux and z losses are each a mean over a micro-batch's tokens, averaged over micro-batches and ranks."""
         assert self.train_loss is not None, "a TextStep built without train_loss only evaluates"
         counts = torch.stack([self.labelled_tokens(b) for b in batches]).to(self.device, torch.float32)
-        weights = counts * self.dp_size / sum_over_dp(counts.sum(), self.mesh).clamp(min=1)
+        weights = counts * self.token_ranks / sum_over_token_ranks(counts.sum(), self.mesh).clamp(min=1)
         loss_sum = torch.zeros((), device=self.device)
         for micro, batch in enumerate(batches):
             if self.defer_grad_sync:

@@ -1,0 +1,134 @@
+"""Context parallelism trains like one process: each sequence split over cp ranks (head and tail chunks), keys and
+values gathered in every layer, with and without packed documents, alone, with FSDP, HSDP and TP.
+
+The runs are the real Trainer on forked gloo ranks (tests/parallel/harness.py), fp32; the reference is the same
+Trainer in one process on the same global batch.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from forge.data.embedded import read_scenes
+from forge.model.attention import DocumentMask, dense_attention_mask
+from forge.parallel.context_parallel import chunk_positions, gathered_positions
+from tests.parallel.harness import launch
+from tests.parallel.scenarios import run_scenarios
+
+pytestmark = pytest.mark.dist
+
+RTOL = 1e-4
+WINDOW = "model.sliding_window=[12,null]"
+
+
+def document_data(path: Path) -> list[str]:
+    """Lines of the plays, one document each (~10 tokens): every 32-token sample packs several documents."""
+    lines = [line for scene in read_scenes()[:40] for line in scene.splitlines() if line.strip()]
+    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    return [
+        "data=hf", f"data.dataset={path}", "data.vocab_size=50257", "model.vocab_size=50304", "data.shuffle=false",
+        "data.document_masking=true", "data.val_documents=64",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory) -> list[str]:
+    return document_data(tmp_path_factory.mktemp("docs") / "lines.jsonl")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, docs) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("cp")
+    one = {
+        "single": ["parallel=single", "train.micro_batch_size=8"],
+        "single_docs": ["parallel=single", "train.micro_batch_size=8", *docs, WINDOW],
+    }
+    two = {
+        "cp2": ["parallel=cp2"],
+        "cp2_docs": ["parallel=cp2", *docs, WINDOW],
+    }
+    four = {
+        "cp2_fsdp": ["parallel=cp2_fsdp"],
+        "cp2_fsdp_docs": ["parallel=cp2_fsdp", "train.micro_batch_size=2", *docs, WINDOW],
+        "cp2_hsdp": ["parallel=cp2"],
+        "cp2_tp2_docs": ["parallel=cp2", "parallel.tp=2", "parallel.dp_replicate=1", *docs, WINDOW],
+    }
+    return (
+        launch(run_scenarios, 1, one, str(root / "one"))[0]
+        | launch(run_scenarios, 2, two, str(root / "two"))[0]
+        | launch(run_scenarios, 4, four, str(root / "four"))[0]
+    )
+
+
+LAYOUTS = {  # name: (reference, str() of the placements of a wq weight)
+    "cp2": ("single", ["S(0)"]),
+    "cp2_docs": ("single_docs", ["S(0)"]),
+    "cp2_fsdp": ("single", ["S(0)"]),
+    "cp2_fsdp_docs": ("single_docs", ["S(0)"]),
+    "cp2_hsdp": ("single", ["R", "S(0)"]),
+    "cp2_tp2_docs": ("single_docs", ["_S(0, 2)", "S(0)"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_context_parallel_layout_matches_one_process(layout, runs):
+    reference, placements = LAYOUTS[layout]
+    got, want = runs[layout], runs[reference]
+    assert got["wq_placements"] == placements
+    assert len(got["loss"]) == 4
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert got[key] == pytest.approx(want[key], rel=RTOL), key
+
+
+def test_documents_and_window_change_the_reference(runs):
+    """The document runs would match the plain ones if the mask were lost on the way."""
+    assert runs["single_docs"]["loss"][-1] != pytest.approx(runs["single"]["loss"][-1], rel=1e-2)
+    assert runs["single_docs"]["loss"][-1] < runs["single_docs"]["loss"][0]
+
+
+def test_chunks_balance_the_causal_work_and_cover_the_sequence():
+    seq, cp = 32, 4
+    parts = [chunk_positions(seq, cp, rank) for rank in range(cp)]
+    assert torch.equal(torch.sort(torch.cat(parts)).values, torch.arange(seq))
+    assert torch.equal(parts[0], torch.tensor([0, 1, 2, 3, 28, 29, 30, 31]))
+    # keys each rank's queries see under the causal mask: the same for every rank
+    assert len({int((part + 1).sum()) for part in parts}) == 1
+    assert torch.equal(gathered_positions(seq, cp), torch.cat(parts))
+
+
+def test_a_part_of_the_sequence_gets_its_rows_of_the_whole_mask():
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2]])
+    whole = dense_attention_mask(doc_ids, window=3)
+    queries, keys = chunk_positions(12, 2, 1), gathered_positions(12, 2)
+    part = dense_attention_mask(DocumentMask(doc_ids, queries, keys).doc_ids, 3, queries, keys)
+    assert torch.equal(part, whole[:, :, queries][:, :, :, keys])
+
+
+REFUSED = {  # overrides on 4 ranks -> what the one line names
+    "seq": (["parallel=cp2", "train.seq_len=30"], "train.seq_len=30 is not divisible by 2 x parallel.cp=2"),
+    "pp": (["parallel=cp2", "parallel.pp=2", "parallel.dp_replicate=1"], "parallel.cp=2 with parallel.pp=2"),
+    "moe": (["parallel=cp2", "model=moe_tiny"], "parallel.cp=2 with an MoE model"),
+    "flex": (["parallel=cp2", "model.attention=flex"], "parallel.cp=2 with model.attention=flex"),
+    "compile": (["parallel=cp2", "parallel.compile=true"], "parallel.cp=2 with parallel.compile=true"),
+    "vlm": (["parallel=cp2", "vlm=joint_decoder", "data=vqa_embedded"], "parallel.cp=2 is not supported with a VLM"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_validation_refuses_what_context_parallelism_does_not_cover(case):
+    from forge.config import ConfigError, compose, validate
+
+    overrides, message = REFUSED[case]
+    with pytest.raises(ConfigError, match="^" + message.replace("+", r"\+").replace(".", r"\.")):
+        validate(compose(overrides), world_size=4)
+
+
+def test_presets_fill_any_even_world():
+    from forge.config import compose, validate
+
+    for world in (2, 4, 8):
+        cp2, cp2_fsdp = (validate(compose([f"parallel={name}"]), world_size=world) for name in ("cp2", "cp2_fsdp"))
+        assert (cp2.cp, cp2.dp_replicate, cp2.dp_shard) == (2, world // 2, 1)
+        assert (cp2_fsdp.cp, cp2_fsdp.dp_shard, cp2_fsdp.fsdp_shard) == (2, world // 2, world)
