@@ -13,6 +13,7 @@ BENCHMARKS = [
     ["data/bench_data.py"],
     ["checkpoint/save_stall.py"],
     ["moe/moe_vs_dense.py"],
+    ["attention/flex_vs_dense.py"],
     ["vlm/strategies.py"],
     ["vlm/generate_cache.py"],
 ]
