@@ -31,7 +31,7 @@ def test_rows_are_the_fastest_layouts_validation_accepts():
     assert any(layout.ep > 1 and layout.activation_checkpoint == "selective" for layout in refused)
     text = search_report(cfg)
     rows = [line for line in text.splitlines() if re.match(r"\s*\d+\s+rep", line)]
-    assert [row.split(maxsplit=1)[1][:52].strip() for row in rows] == [p.layout.short() for p in accepted[:6]]
+    assert [row.split(maxsplit=1)[1][:58].strip() for row in rows] == [p.layout.short() for p in accepted[:6]]
 
 
 def test_the_winner_passes_validation_as_the_overrides_it_prints():
@@ -49,6 +49,7 @@ def test_the_winner_passes_validation_as_the_overrides_it_prints():
         ("llama3_8b", 16, Layout(1, 8, 2, 1, 1, "none", 1)),
         ("llama3_70b", 64, Layout(4, 4, 4, 1, 1, "full", 4)),
         ("llama3_1b", 8, Layout(1, 2, 1, 4, 1, "none", 8, "interleaved_1f1b", 8)),  # tied, pipelined
+        ("llama3_8b", 16, Layout(1, 2, 2, 1, 1, "full", 1, cp=4)),  # context parallel x TP x FSDP
     ],
 )
 def test_memory_is_the_plans_estimate(model, world, layout):
@@ -90,6 +91,24 @@ def test_terms_follow_their_formulas():
     pooled = predict(Layout(1, 32, 1, 2, 1, "none", 2, "1f1b", 2), shape, cfg.train, shared, settings)
     assert two.seconds["bubble"] > 0 and pooled.seconds["bubble"] == 0
     assert pooled.step == pytest.approx(two.step - two.seconds["bubble"], rel=1e-6)
+
+
+def test_long_sequences_make_the_search_split_them_over_context_parallel_ranks():
+    """At 64k tokens a sequence's activations do not fit one H200 (and cp divides the compute without moving the
+    weights again): the winner splits it. At 4k the same split only adds the key/value traffic."""
+    long = searched("model=llama3_8b", "parallel.world_size=64", "train.seq_len=65536", "model.max_seq_len=65536",
+                    "train.global_batch_size=64", "search.device=h200")  # fmt: skip
+    fitting, _, _ = search(long.copy())
+    winner = next(p for p in fitting if valid(long, p) is None)
+    assert winner.layout.cp > 1 and winner.seconds["cp"] > 0 and winner.moved["cp"] > 0
+    assert not any(p.layout.cp == 1 and p.layout.tp == 1 and p.layout.activation_checkpoint == "none"
+                   for p in fitting)  # fmt: skip
+    short = searched("model=llama3_8b", "parallel.world_size=64", "train.seq_len=4096", "train.global_batch_size=64")
+    settings, shape, h200 = settings_of(short), ModelShape.of(build.build_meta_model(short)), DEVICES["h200"]
+    one, two = (predict(Layout(1, 64 // cp, 1, 1, 1, "full", 1, cp=cp), shape, short.train, h200, settings)
+                for cp in (1, 2))  # fmt: skip
+    assert two.seconds["compute"] == pytest.approx(one.seconds["compute"], rel=1e-6)  # the same tokens per rank
+    assert two.seconds["cp"] > 0 == one.seconds["cp"] and two.step > one.step
 
 
 def test_an_unknown_device_is_refused_with_one_line(tmp_path):

@@ -1,8 +1,9 @@
 """The cost model's bytes per collective are what the real collectives of a training step move, on 4 gloo ranks.
 
 A dispatch mode sees every c10d op of one optimizer step (after a first one): FSDP2's all-gathers and
-reduce-scatters (over each group at its own size: experts shard over fewer ranks), HSDP's all-reduce over the
-replicas, DTensor's tensor-parallel collectives, the pipeline's sends and expert parallelism's all-to-alls.
+reduce-scatters (over each group at its own size: experts shard over fewer ranks), context parallelism's key and
+value all-gathers and their gradients' reduce-scatters (over the cp pairs), HSDP's all-reduce over the replicas,
+DTensor's tensor-parallel collectives, the pipeline's sends and expert parallelism's all-to-alls.
 Bytes a rank sends in a ring: (n - 1) / n of a gathered output or a reduce-scattered input, 2 (n - 1) / n of an
 all-reduced buffer.
 """
@@ -32,6 +33,7 @@ LAYOUTS = {  # preset -> the same layout as the search writes it
     "pp2_fsdp": Layout(1, 2, 1, 2, 1, "none", 4, "1f1b", 4),  # one micro-batch of 4 chunks
     "ep2_fsdp": Layout(1, 4, 1, 1, 2, "none", 1),
     "pp2": Layout(2, 1, 1, 2, 1, "none", 2, "1f1b", 2),  # x DDP over 2: 2 micro-batches of 2 chunks
+    "cp2_fsdp": Layout(1, 2, 1, 1, 1, "none", 1, cp=2),  # FSDP over dp_shard 2 x cp 2, K/V over the cp pairs
 }
 MODEL = {"ep2_fsdp": ["model=moe_tiny"]}
 """The MoE layout trains the default MoE (8 experts, top 2) at the tiny width."""
@@ -116,9 +118,15 @@ def sent(counted: dict, layout: Layout) -> dict[str, float]:
     uniform routing: (ep - 1) / ep of the tokens they carry (test_expert_tokens_cross_ranks_as_routing_sends checks
     the share the router really sent)."""
     out = {}
-    if layout.dp_shard > 1:
-        out["fsdp_all_gather"] = total(counted, "c10d._allgather_base_.default", lambda n: (n - 1) / n)
-        out["fsdp_reduce_scatter"] = total(counted, "c10d._reduce_scatter_base_.default", lambda n: n - 1)
+    gather, scatter = "c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default"
+    in_cp = (lambda n: n == layout.cp) if layout.cp > 1 else (lambda n: False)  # FSDP's group is dp_shard x cp
+    if layout.dp_shard * layout.cp > 1:
+        out["fsdp_all_gather"] = total(counted, gather, lambda n: 0 if in_cp(n) else (n - 1) / n)
+        out["fsdp_reduce_scatter"] = total(counted, scatter, lambda n: 0 if in_cp(n) else n - 1)
+    if layout.cp > 1:  # the keys and values, gathered forward, their gradients reduce-scattered backward
+        out["cp"] = total(counted, gather, lambda n: (n - 1) / n if in_cp(n) else 0) + total(
+            counted, scatter, lambda n: n - 1 if in_cp(n) else 0
+        )
     if layout.dp_replicate > 1:
         out["replicate_all_reduce"] = total(counted, "c10d.allreduce_.default", lambda n: 2 * (n - 1) / n)
     if layout.pp > 1:  # rank 0: the first stage, which sends its activations on

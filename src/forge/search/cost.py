@@ -1,14 +1,16 @@
 """The cost model of one layout: peak memory per rank and the time of one optimizer step, term by term.
 
 Per optimizer step, on the busiest rank (the pipeline rank with the most work), with T = global batch x seq_len
-tokens, dp = dp_replicate x dp_shard, n micro-batches of each dp rank's share, and F the forward FLOPs per token of
-the rank's blocks (and head, on the last stage) from forge.metrics.flops:
+tokens, dp = dp_replicate x dp_shard, n micro-batches of each dp rank's share, cp the context-parallel ranks that
+split each sequence (T / dp / cp tokens per rank), and F the forward FLOPs per token of the rank's blocks (and
+head, on the last stage) from forge.metrics.flops:
 
-    compute    = 3 F x T / dp / tp / (peak x compute_efficiency)
+    compute    = 3 F x T / dp / cp / tp / (peak x compute_efficiency)
     recompute  = F_blocks x T / dp / tp / (peak x efficiency) under full checkpointing (one more forward); a tenth
                  of that under selective (the cheap ops recomputed)
-    fsdp       = n x c x (dp_shard - 1) / dp_shard x P / tp x (gathers x param bytes + 4 reduce bytes) / link,
-                 c the pipeline chunks (microbatches; 1 without pp), each reduce-scattered after its backward;
+    fsdp       = n x c x (s - 1) / s x P / tp x (gathers x param bytes + 4 reduce bytes) / link,
+                 s = dp_shard x cp the FSDP shard group, c the pipeline chunks (microbatches; 1 without pp), each
+                 reduce-scattered after its backward;
                  blocks gathered twice per chunk (forward, backward), the root (embedding, norm, head) once per
                  chunk; routed experts: their E / ep on this rank, over the dp_shard / ep ranks that share them
     replicate  = (n x c; without FSDP 1, or n in a pipeline) x 2 (r - 1) / r x 4 P_rank / link: the gradient
@@ -18,6 +20,9 @@ the rank's blocks (and head, on the last stage) from forge.metrics.flops:
     tp         = n x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
                  all-reduces (as sequence-parallel all-gather + reduce-scatter) of micro x seq_len x dim
                  activations, 2 (tp - 1) / tp of them per rank, and the logits gathered on the last stage, not hidden
+    cp         = n x blocks x (4, or 6 with full checkpointing) collectives of the keys and values (all-gathers
+                 forward and in the recompute, reduce-scatters of their gradients backward) of micro x seq_len x
+                 kv width / tp elements, (cp - 1) / cp of them per rank, not hidden (attention waits on them)
     ep         = n x MoE blocks x (4, or 6) all-to-alls of micro x seq_len x top_k x dim, (ep - 1) / ep of them
     pp p2p     = T / dp x dim activations sent per stage boundary and direction (forward from all but the last
                  stage, gradients back from all but the first); with tied embeddings the first and last stage
@@ -28,7 +33,7 @@ the rank's blocks (and head, on the last stage) from forge.metrics.flops:
     latency    = every collective's launch (10 us inside a node, 30 us across)
 
 Links: a mesh dimension whose ranks span at most gpus_per_node consecutive ranks uses the intra-node bandwidth,
-else the inter-node one (mesh order pp, dp_replicate, dp_shard, tp: tp innermost; ep is the inner part of
+else the inter-node one (mesh order pp, dp_replicate, dp_shard, cp, tp: tp innermost; ep is the inner part of
 dp_shard). Peak memory per rank is forge.train.plan_report.estimate_memory's, the one `--plan` prints.
 """
 
@@ -44,7 +49,7 @@ from forge.train.plan_report import estimate_memory, pipeline_in_flight
 LATENCY_S = {"intra": 10e-6, "inter": 30e-6}
 SELECTIVE_RECOMPUTE = 0.1
 """Share of a forward the selective mode recomputes (norms, activations, rope: memory-bound, no matmuls)."""
-TERMS = ("compute", "recompute", "exposed_dp", "tp", "ep", "pp_p2p", "bubble", "latency")
+TERMS = ("compute", "recompute", "exposed_dp", "tp", "cp", "ep", "pp_p2p", "bubble", "latency")
 
 
 @dataclass(frozen=True)
@@ -61,10 +66,12 @@ class Layout:
     pp_schedule: str = "1f1b"
     microbatches: int = 1
     """Pipeline chunks of each micro-batch (1 without pp)."""
+    cp: int = 1
+    """Context-parallel ranks over which each sequence is split."""
 
     @property
     def degrees(self) -> Degrees:
-        return Degrees(self.dp_replicate, self.dp_shard, self.tp, self.pp, self.ep)
+        return Degrees(self.dp_replicate, self.dp_shard, self.tp, self.pp, self.ep, self.cp)
 
     @property
     def dp(self) -> int:
@@ -78,6 +85,7 @@ class Layout:
             f"parallel.tp={self.tp}",
             f"parallel.pp={self.pp}",
             f"parallel.ep={self.ep}",
+            f"parallel.cp={self.cp}",
         ]
         if self.pp > 1:
             out += [f"parallel.pp_schedule={self.pp_schedule}", f"parallel.microbatches={self.microbatches}"]
@@ -85,13 +93,17 @@ class Layout:
                 f"train.micro_batch_size={self.micro_batch_size}"]  # fmt: skip
 
     def short(self) -> str:
-        parts = [f"{name}{size}" for name, size in zip(("rep", "shard", "tp", "pp", "ep"), self.degrees_tuple())]
+        parts = [f"{name}{size}" for name, size in zip(DEGREE_NAMES, self.degrees_tuple())]
         if self.pp > 1:
             parts.append(f"{self.pp_schedule}/{self.microbatches}")
         return " ".join(parts) + f" ac={self.activation_checkpoint} mb={self.micro_batch_size}"
 
     def degrees_tuple(self) -> tuple[int, ...]:
-        return self.dp_replicate, self.dp_shard, self.tp, self.pp, self.ep
+        return self.dp_replicate, self.dp_shard, self.tp, self.pp, self.ep, self.cp
+
+
+DEGREE_NAMES = ("rep", "shard", "tp", "pp", "ep", "cp")
+"""How `Layout.short` names each of `degrees_tuple`."""
 
 
 @dataclass
@@ -152,9 +164,9 @@ class Links:
         intra = settings.intra_node_gbps * 1e9 if settings.intra_node_gbps else device.intra_node
         inter = settings.inter_node_gbps * 1e9 if settings.inter_node_gbps else device.inter_node
         per_node = settings.gpus_per_node
-        tp, shard, rep = layout.tp, layout.dp_shard, layout.dp_replicate
-        spans = {"tp": tp, "ep": tp * layout.ep, "dp_shard": tp * shard, "dp_replicate": tp * shard * rep,
-                 "pp": tp * layout.dp * layout.pp}  # fmt: skip
+        tp, cp, shard, rep = layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
+        spans = {"tp": tp, "cp": tp * cp, "ep": tp * cp * layout.ep, "dp_shard": tp * cp * shard,
+                 "dp_replicate": tp * cp * shard * rep, "pp": tp * cp * layout.dp * layout.pp}  # fmt: skip
         self.kind = {dim: "intra" if span <= per_node else "inter" for dim, span in spans.items()}
         self.bandwidth = {dim: (intra if kind == "intra" else inter) * settings.comm_efficiency
                           for dim, kind in self.kind.items()}  # fmt: skip
@@ -176,10 +188,11 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
     per_block = (flops.forward - flops.head) / args.n_layers  # MoE blocks counted at their mean
     n_stages = layout.pp * stages_per_rank(layout.pp_schedule) if layout.pp > 1 else 1
     stages = stage_layers(args.n_layers, n_stages)
-    tokens_dp = batch * seq / layout.dp
+    tokens_rank = batch * seq / layout.dp / layout.cp
     n_micro = batch // layout.dp // layout.micro_batch_size
     chunks = layout.microbatches if layout.pp > 1 else 1  # FSDP reduces after each pipeline chunk's backward
-    micro_tokens = layout.micro_batch_size * seq
+    micro_tokens = layout.micro_batch_size * seq / layout.cp
+    shard = layout.dp_shard * layout.cp  # FSDP's group: context-parallel ranks hold the same parameters
 
     worst: tuple[float, dict, float, dict] | None = None
     for pp_rank in range(layout.pp):
@@ -189,13 +202,13 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         params = sum(shape.block_params[b] for b in blocks)
         params += shape.embedding if first or (last and args.tie_embeddings) else 0
         params += shape.head if last else 0
-        local = params / layout.tp / layout.dp_shard
+        local = params / layout.tp / shard
         in_flight = pipeline_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
         mem = estimate_memory(args, degrees, local, len(blocks), last, layout.micro_batch_size, seq, in_flight,
                               act_bytes)  # fmt: skip
         memory = mem.peak(layout.activation_checkpoint == "full")
-        block_flops = per_block * len(blocks) * tokens_dp / layout.tp
-        forward = block_flops + (flops.head * tokens_dp / layout.tp if last else 0)
+        block_flops = per_block * len(blocks) * tokens_rank / layout.tp
+        forward = block_flops + (flops.head * tokens_rank / layout.tp if last else 0)
         t = {term: 0.0 for term in TERMS}
         t["compute"] = 3 * forward / peak
         if layout.activation_checkpoint == "full":
@@ -206,7 +219,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         latency = 0.0
         hidden = 0.0
         moved: dict[str, float] = {}
-        if layout.dp_shard > 1:
+        if shard > 1:
             experts = sum(shape.expert_params[b] for b in blocks)
             dense_blocks = sum(shape.block_params[b] for b in blocks) - experts
             root = params - dense_blocks - experts  # embedding, norm, head: not resharded after forward
@@ -224,7 +237,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         if layout.dp_replicate > 1:
             # FSDP reduces after each chunk; DDP once, but a pipeline's schedule reduces at the end of each of its
             # steps (one per micro-batch) whatever the sync setting says
-            syncs = n_micro * chunks if layout.dp_shard > 1 else (n_micro if layout.pp > 1 else 1)
+            syncs = n_micro * chunks if shard > 1 else (n_micro if layout.pp > 1 else 1)
             moved["replicate_all_reduce"] = syncs * 2 * (layout.dp_replicate - 1) / layout.dp_replicate * 4 * local
             seconds, lat = links.seconds("dp_replicate", moved["replicate_all_reduce"], syncs * len(blocks))
             hidden += seconds
@@ -240,6 +253,14 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             seconds, lat = links.seconds("tp", moved["tp"], n_micro * reduces * 2)
             t["tp"] = seconds
             latency += lat
+        if layout.cp > 1:
+            kv = args.kv_heads * args.head_size / layout.tp
+            calls = n_micro * len(blocks) * per_tp
+            elems = calls * (layout.cp - 1) / layout.cp * layout.micro_batch_size * seq * kv
+            moved["cp"] = elems * act_bytes
+            seconds, lat = links.seconds("cp", moved["cp"], calls)
+            t["cp"] = seconds
+            latency += lat
         if layout.ep > 1 and args.moe is not None:
             moe_blocks = sum(is_moe_block(args, b) for b in blocks)
             elems = n_micro * moe_blocks * per_tp * (layout.ep - 1) / layout.ep * micro_tokens * args.moe.top_k
@@ -250,10 +271,10 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         if layout.pp > 1:
             # activations forward from every stage but the last, their gradients back from every one but the first
             boundaries = sum((s != n_stages - 1) + (s != 0) for s in mine)
-            moved["pp"] = boundaries * tokens_dp * args.dim * act_bytes
+            moved["pp"] = boundaries * tokens_rank * args.dim * act_bytes
             seconds, lat = links.seconds("pp", moved["pp"], boundaries * n_micro * layout.microbatches)
             if args.tie_embeddings and (first or last):  # the embedding's gradient, summed with the other end
-                moved["tied_embedding"] = 4 * shape.embedding / layout.tp / layout.dp_shard
+                moved["tied_embedding"] = 4 * shape.embedding / layout.tp / shard
                 more, more_lat = links.seconds("pp", moved["tied_embedding"], 1)
                 seconds, lat = seconds + more, lat + more_lat
             t["pp_p2p"] = seconds
@@ -271,7 +292,8 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
 
 
 def _shard_traffic(layout: Layout, dense: float, experts: float) -> float:
-    """Elements a rank sends (ring) to gather or reduce-scatter `dense` elements over dp_shard (per tp rank) and
-    `experts` (routed-expert elements) over the dp_shard / ep ranks that share them (this rank holds E / ep)."""
+    """Elements a rank sends (ring) to gather or reduce-scatter `dense` elements over dp_shard x cp (per tp rank)
+    and `experts` (routed-expert elements) over the dp_shard / ep ranks that share them (this rank holds E / ep)."""
+    shard = layout.dp_shard * layout.cp
     group = layout.dp_shard // layout.ep
-    return (layout.dp_shard - 1) / layout.dp_shard * dense / layout.tp + (group - 1) / group * experts / layout.ep
+    return (shard - 1) / shard * dense / layout.tp + (group - 1) / group * experts / layout.ep

@@ -19,10 +19,14 @@ def powers_of_two(limit: int) -> list[int]:
     return [2**k for k in range(limit.bit_length()) if 2**k <= limit]
 
 
-def layouts(args, world_size: int, global_batch: int, gpus_per_node: int, max_micro: int) -> Iterator[Layout]:
+def layouts(
+    args, world_size: int, global_batch: int, gpus_per_node: int, max_micro: int, seq_len: int | None = None
+) -> Iterator[Layout]:
     """Candidates for a model of `args`: tp within a node and dividing the (key/value) heads, pp dividing the
-    blocks (dense models only), ep dividing the experts and dp_shard (MoE only, without tp), every split of the
-    data-parallel ranks into dp_replicate x dp_shard, micro-batches dividing each rank's share of the batch."""
+    blocks (dense models only), cp a power of two with tp x cp within a node, dividing seq_len into 2 x cp chunks
+    (dense models without pp; none when seq_len is not given), ep dividing the experts and dp_shard (MoE only,
+    without tp), every split of the data-parallel ranks into dp_replicate x dp_shard, micro-batches dividing each
+    rank's share of the batch."""
     moe = args.moe
     for tp in divisors(world_size):
         if tp > gpus_per_node or args.n_heads % tp or args.kv_heads % tp or (moe is not None and tp > 1):
@@ -30,24 +34,32 @@ def layouts(args, world_size: int, global_batch: int, gpus_per_node: int, max_mi
         for pp in divisors(world_size // tp):
             if args.n_layers % pp or (moe is not None and pp > 1):
                 continue
-            dp = world_size // tp // pp
-            if global_batch % dp:
-                continue
-            per_rank = global_batch // dp
-            for dp_replicate in divisors(dp):
-                dp_shard = dp // dp_replicate
-                eps = [e for e in divisors(dp_shard) if moe.num_experts % e == 0] if moe is not None else [1]
-                for ep in eps:
-                    for micro in powers_of_two(min(per_rank, max_micro)):
-                        if per_rank % micro:
-                            continue
-                        yield from _with_schedules(args, dp_replicate, dp_shard, tp, pp, ep, micro)
+            for cp in context_degrees(args, world_size // tp // pp, pp, gpus_per_node // tp, seq_len):
+                dp = world_size // tp // pp // cp
+                if global_batch % dp:
+                    continue
+                per_rank = global_batch // dp
+                for dp_replicate in divisors(dp):
+                    dp_shard = dp // dp_replicate
+                    eps = [e for e in divisors(dp_shard) if moe.num_experts % e == 0] if moe is not None else [1]
+                    for ep in eps:
+                        for micro in powers_of_two(min(per_rank, max_micro)):
+                            if per_rank % micro:
+                                continue
+                            yield from _with_schedules(args, dp_replicate, dp_shard, tp, pp, ep, micro, cp)
 
 
-def _with_schedules(args, dp_replicate, dp_shard, tp, pp, ep, micro) -> Iterator[Layout]:
+def context_degrees(args, ranks: int, pp: int, per_node: int, seq_len: int | None) -> list[int]:
+    """The cp degrees forge.config.validate accepts here (1 always)."""
+    if seq_len is None or pp > 1 or args.moe is not None:
+        return [1]
+    return [cp for cp in powers_of_two(min(ranks, max(per_node, 1))) if ranks % cp == 0 and seq_len % (2 * cp) == 0]
+
+
+def _with_schedules(args, dp_replicate, dp_shard, tp, pp, ep, micro, cp=1) -> Iterator[Layout]:
     for mode in ACTIVATION_CHECKPOINT_MODES:
         if pp == 1:
-            yield Layout(dp_replicate, dp_shard, tp, pp, ep, mode, micro)
+            yield Layout(dp_replicate, dp_shard, tp, pp, ep, mode, micro, cp=cp)
             continue
         for schedule in PP_SCHEDULES:
             if args.n_layers % (pp * stages_per_rank(schedule)):

@@ -65,7 +65,7 @@ def search(cfg: DictConfig) -> tuple[list[Prediction], int, list[str]]:
     dtype = "fp32" if train.dtype == "fp32" else "bf16"
     considered, fitting = 0, []
     for layout in layouts(shape.args, world, train.global_batch_size, settings.gpus_per_node,
-                          settings.max_micro_batch_size):  # fmt: skip
+                          settings.max_micro_batch_size, train.seq_len):  # fmt: skip
         considered += 1
         prediction = predict(layout, shape, train, device, settings, dtype)
         if prediction.memory <= memory:
@@ -78,7 +78,7 @@ def valid(cfg: DictConfig, prediction: Prediction) -> str | None:
     """None when validation accepts the layout on cfg, else its message."""
     candidate = copy.deepcopy(cfg)
     layout = prediction.layout
-    for key, value in zip(("dp_replicate", "dp_shard", "tp", "pp", "ep"), layout.degrees_tuple()):
+    for key, value in zip(("dp_replicate", "dp_shard", "tp", "pp", "ep", "cp"), layout.degrees_tuple()):
         candidate.parallel[key] = value
     candidate.parallel.activation_checkpoint = layout.activation_checkpoint
     if layout.pp > 1:
@@ -120,11 +120,11 @@ def search_report(cfg: DictConfig) -> str:
     if refused:
         lines.append(f"({refused} faster layouts skipped: validation refuses them)")
     peak = device.peak_flops("fp32" if cfg.train.dtype == "fp32" else "bf16")
-    header = f"{'#':>2}  {'layout':<52} {'GiB/rank':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6}  dominant"
+    header = f"{'#':>2}  {'layout':<58} {'GiB/rank':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6}  dominant"
     lines += [header]
     for i, p in enumerate(shown, 1):
         mfu = p.flops / p.step / world / peak
-        lines.append(f"{i:>2}  {p.layout.short():<52} {p.memory / GIB:>8.1f} {p.step:>8.3f} "
+        lines.append(f"{i:>2}  {p.layout.short():<58} {p.memory / GIB:>8.1f} {p.step:>8.3f} "
                      f"{p.tokens / p.step:>10,.0f} {mfu:>6.1%}  {p.dominant}")  # fmt: skip
     winner = shown[0]
     lines.append("winner: " + " ".join(winner.layout.overrides()))
