@@ -1,5 +1,6 @@
 """Context parallelism trains like one process: each sequence split over cp ranks (head and tail chunks), keys and
-values gathered in every layer, with and without packed documents, alone, with FSDP, HSDP and TP.
+values gathered in every layer, with and without packed documents, alone, with FSDP, HSDP and TP, and with latent
+attention.
 
 The runs are the real Trainer on forked gloo ranks (tests/parallel/harness.py), fp32; the reference is the same
 Trainer in one process on the same global batch.
@@ -21,6 +22,8 @@ pytestmark = pytest.mark.dist
 
 RTOL = 1e-4
 WINDOW = "model.sliding_window=[12,null]"
+MLA = ["model.attention_kind=mla", "model.mla.q_lora_rank=0", "model.mla.kv_lora_rank=24",
+       "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=12"]  # fmt: skip
 
 
 def document_data(path: Path) -> list[str]:
@@ -44,10 +47,12 @@ def runs(tmp_path_factory, docs) -> dict[str, dict]:
     one = {
         "single": ["parallel=single", "train.micro_batch_size=8"],
         "single_docs": ["parallel=single", "train.micro_batch_size=8", *docs, WINDOW],
+        "single_mla": ["parallel=single", "train.micro_batch_size=8", *MLA],
     }
     two = {
         "cp2": ["parallel=cp2"],
         "cp2_docs": ["parallel=cp2", *docs, WINDOW],
+        "cp2_mla": ["parallel=cp2", *MLA],  # latent attention gathers its expanded keys and values
     }
     four = {
         "cp2_fsdp": ["parallel=cp2_fsdp"],
@@ -65,6 +70,7 @@ def runs(tmp_path_factory, docs) -> dict[str, dict]:
 LAYOUTS = {  # name: (reference, str() of the placements of a wq weight)
     "cp2": ("single", ["S(0)"]),
     "cp2_docs": ("single_docs", ["S(0)"]),
+    "cp2_mla": ("single_mla", ["S(0)"]),
     "cp2_fsdp": ("single", ["S(0)"]),
     "cp2_fsdp_docs": ("single_docs", ["S(0)"]),
     "cp2_hsdp": ("single", ["R", "S(0)"]),

@@ -17,7 +17,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from forge.checkpoint.errors import CheckpointError
-from forge.checkpoint.hf_config import HFFamily, args_to_hf_config, family_of, read_hf_config
+from forge.checkpoint.hf_config import (
+    HFFamily,
+    args_to_hf_config,
+    family_of,
+    read_hf_config,
+    rope_interleaved,
+    rope_row_order,
+)
 from forge.model.args import TransformerArgs
 
 _LAYER_NAMES = {
@@ -27,6 +34,12 @@ _LAYER_NAMES = {
     "self_attn.o_proj": "attention.wo",
     "self_attn.q_norm": "attention.q_norm",
     "self_attn.k_norm": "attention.k_norm",
+    "self_attn.q_a_proj": "attention.wq_a",  # DeepSeek-V3's latent attention
+    "self_attn.q_a_layernorm": "attention.q_a_norm",
+    "self_attn.q_b_proj": "attention.wq_b",
+    "self_attn.kv_a_proj_with_mqa": "attention.wkv_a",
+    "self_attn.kv_a_layernorm": "attention.kv_a_norm",
+    "self_attn.kv_b_proj": "attention.wkv_b",
     "mlp.gate_proj": "feed_forward.w1",
     "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2",
@@ -152,6 +165,11 @@ def load_hf(folder: Path) -> tuple[dict[str, torch.Tensor], TransformerArgs]:
         except Exception as err:  # noqa: BLE001
             raise CheckpointError(f"cannot read {file}: {err}") from err
     state = hf_to_forge_state(tensors)
+    if rope_interleaved(json.loads(config_file.read_text(encoding="utf-8"))):
+        for key, value in state.items():
+            order = rope_row_order(key, args)
+            if order is not None:
+                state[key] = value[order]
     if args.tie_embeddings:
         state.pop("output.weight", None)
         state["output.weight"] = state["tok_embeddings.weight"]

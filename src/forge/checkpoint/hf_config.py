@@ -1,9 +1,12 @@
-"""Hugging Face config.json <-> forge model args, for the four transformers architectures forge's decoder is.
+"""Hugging Face config.json <-> forge model args, for the five transformers architectures forge's decoder is.
 
-Which one a model is follows from two settings: an MoE model is `MixtralForCausalLM` or, with per-head q/k norms
-(`model.qk_norm=true`), `Qwen3MoeForCausalLM`; a dense one is `LlamaForCausalLM` or, with q/k norms,
-`Qwen3ForCausalLM`. All four use rotate-half RoPE, SwiGLU and RMSNorm (the q/k norms too: over head_dim, before
-RoPE, with the model's eps), bias-free projections and an explicit `head_dim`. Their MoE routers are softmax
+Which one a model is follows from three settings: a latent-attention model (`model.attention_kind=mla`) is
+`DeepseekV3ForCausalLM` (dense blocks only, so far); an MoE model is `MixtralForCausalLM` or, with per-head q/k
+norms (`model.qk_norm=true`), `Qwen3MoeForCausalLM`; a dense one is `LlamaForCausalLM` or, with q/k norms,
+`Qwen3ForCausalLM`. DeepSeek-V3 checkpoints interleave the rotary pairs (`rope_interleave`, default true); forge
+rotates halves, so those rows are reordered on import (`rope_row_order`) and exports say rope_interleave=false.
+The other four use rotate-half RoPE, SwiGLU and RMSNorm (the q/k norms too: over head_dim, before RoPE, with the
+model's eps), bias-free projections and an explicit `head_dim`. Their MoE routers are softmax
 top-k; Qwen3-MoE renormalises the k weights only under `norm_topk_prob` (forge always does). Settings one side
 cannot express are refused with a CheckpointError naming them, never dropped.
 """
@@ -12,8 +15,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from forge.checkpoint.errors import CheckpointError
-from forge.model.args import MoEArgs, RopeScalingArgs, TransformerArgs
+from forge.model.args import MLAArgs, MoEArgs, RopeScalingArgs, TransformerArgs
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,13 @@ LLAMA = HFFamily("LlamaForCausalLM", "llama")
 QWEN3 = HFFamily("Qwen3ForCausalLM", "qwen3")
 MIXTRAL = HFFamily("MixtralForCausalLM", "mixtral", "block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"})
 QWEN3_MOE = HFFamily("Qwen3MoeForCausalLM", "qwen3_moe", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
-FAMILIES = {f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)}
+DEEPSEEK_V3 = HFFamily("DeepseekV3ForCausalLM", "deepseek_v3")
+FAMILIES = {f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)}
 
 
 def family_of(args: TransformerArgs) -> HFFamily:
+    if getattr(args, "attention_kind", "gqa") == "mla":
+        return DEEPSEEK_V3
     if args.moe is not None:
         return QWEN3_MOE if args.qk_norm else MIXTRAL
     return QWEN3 if args.qk_norm else LLAMA
@@ -85,6 +93,8 @@ def args_to_hf_config(args: TransformerArgs) -> dict:
         config |= {"attention_bias": False, "mlp_bias": False}
     if family in (QWEN3, QWEN3_MOE):
         config |= {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+    if family is DEEPSEEK_V3:
+        config |= _deepseek_v3_config(args)
     if args.moe is not None:
         reason = moe_unsupported(args.moe, family)
         if reason:
@@ -118,6 +128,70 @@ def args_to_hf_config(args: TransformerArgs) -> dict:
             "original_max_position_embeddings": s.original_max_seq_len,
         }
     return config
+
+
+def _deepseek_v3_config(args: TransformerArgs) -> dict:
+    """The DeepSeek-V3 fields of a dense latent-attention model (every block below first_k_dense_replace)."""
+    if args.moe is not None:
+        raise CheckpointError(
+            "model.moe with model.attention_kind=mla has no DeepseekV3ForCausalLM equivalent yet (DeepSeek-V3's "
+            "group-limited, scaled sigmoid routing is not mapped to forge's router); only dense MLA models export"
+        )
+    if args.qk_norm:
+        raise CheckpointError("model.qk_norm=true has no DeepseekV3ForCausalLM equivalent")
+    m = args.mla
+    return {
+        "head_dim": m.qk_rope_head_dim,  # what transformers sets for DeepSeek-V3 (its rotary width)
+        "num_key_value_heads": args.n_heads,
+        "q_lora_rank": m.q_lora_rank or None,
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "rope_interleave": False,
+        "first_k_dense_replace": args.n_layers,
+        "attention_bias": False,
+    }
+
+
+def _deepseek_v3_mla(config: dict) -> MLAArgs:
+    layers, dense = config["num_hidden_layers"], config.get("first_k_dense_replace", 3)
+    if dense < layers:
+        raise CheckpointError(
+            f"first_k_dense_replace={dense} < num_hidden_layers={layers} is not supported: DeepSeek-V3's MoE blocks "
+            "are not mapped yet (dense latent-attention models only)"
+        )
+    heads = config["num_attention_heads"]
+    if config.get("num_key_value_heads", heads) != heads:
+        raise CheckpointError(f"num_key_value_heads={config['num_key_value_heads']} != num_attention_heads={heads}")
+    return MLAArgs(
+        q_lora_rank=config.get("q_lora_rank") or 0,
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+    )
+
+
+def rope_interleaved(config: dict) -> bool:
+    """The checkpoint's rotary pairs are interleaved (DeepSeek-V3's rope_interleave, true unless said)."""
+    return config.get("model_type") == DEEPSEEK_V3.model_type and config.get("rope_interleave", True) is not False
+
+
+def rope_row_order(key: str, args: TransformerArgs) -> torch.Tensor | None:
+    """For a weight whose output rows carry rotary dimensions (MLA's wq / wq_b per head, wkv_a's shared key), the
+    order of a checkpoint's interleaved rows that makes them forge's rotate-half layout; None for the others."""
+    if getattr(args, "attention_kind", "gqa") != "mla":
+        return None
+    m = args.mla
+    pairs = torch.cat([torch.arange(0, m.qk_rope_head_dim, 2), torch.arange(1, m.qk_rope_head_dim, 2)])
+    if key.endswith(("attention.wq.weight", "attention.wq_b.weight")):
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        head = torch.cat([torch.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + pairs])
+        return torch.cat([h * qk + head for h in range(args.n_heads)])
+    if key.endswith("attention.wkv_a.weight"):
+        return torch.cat([torch.arange(m.kv_lora_rank), m.kv_lora_rank + pairs])
+    return None
 
 
 def _rope(config: dict) -> tuple[float, RopeScalingArgs | None]:
@@ -158,7 +232,7 @@ def _qwen3_moe_args(config: dict) -> MoEArgs:
 
 
 def hf_config_to_args(config: dict) -> TransformerArgs:
-    """Our model args from a Llama, Mixtral, Qwen3 or Qwen3-MoE config.json."""
+    """Our model args from a Llama, Mixtral, Qwen3, Qwen3-MoE or (dense) DeepSeek-V3 config.json."""
     model_type = config.get("model_type") or LLAMA.model_type
     if model_type not in FAMILIES:
         raise CheckpointError(f"model_type {model_type!r} is not supported ({', '.join(FAMILIES)} only)")
@@ -185,6 +259,21 @@ def hf_config_to_args(config: dict) -> TransformerArgs:
         )
     elif family is QWEN3_MOE:
         moe = _qwen3_moe_args(config)
+    if family is DEEPSEEK_V3:
+        return TransformerArgs(
+            dim=hidden,
+            n_layers=config["num_hidden_layers"],
+            n_heads=heads,
+            vocab_size=config["vocab_size"],
+            ffn_dim=config["intermediate_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_seq_len=config.get("max_position_embeddings", 2048),
+            tie_embeddings=config.get("tie_word_embeddings", False),
+            attention_kind="mla",
+            mla=_deepseek_v3_mla(config),
+        )
     return TransformerArgs(
         dim=hidden,
         n_layers=config["num_hidden_layers"],
@@ -205,7 +294,7 @@ def hf_config_to_args(config: dict) -> TransformerArgs:
 
 def read_hf_config(config_file: Path) -> TransformerArgs:
     """Our model args from a config.json; a file that is not JSON or not a config of these models is named."""
-    kinds = "Llama, Mixtral, Qwen3 or Qwen3-MoE"
+    kinds = "Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3"
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:

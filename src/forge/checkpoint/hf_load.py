@@ -1,10 +1,12 @@
-"""Warm start from a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE folder straight into a parallelized model.
+"""Warm start from a Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE or (dense) DeepSeek-V3 folder straight into a
+parallelized model.
 
 Each rank reads only the box of every weight it holds (FSDP and TP shards, expert-parallel slices, the blocks of
 its pipeline stages) with safetensors' `get_slice` on the memory-mapped files, and hands the model one unit
 (embedding, one block, norm, head) at a time: no rank reads a tensor it does not hold or builds the whole state
-dict. Names follow forge.checkpoint.hf: both sides use rotate-half RoPE, so q/k need no permutation, and the
-per-expert Linears of Mixtral and Qwen3-MoE are the transposed slices of our stacked expert weights.
+dict. Names follow forge.checkpoint.hf: the per-expert Linears of Mixtral and Qwen3-MoE are the transposed slices of
+our stacked expert weights. Rotary rows need no permutation, except DeepSeek-V3's interleaved ones
+(forge.checkpoint.hf_config.rope_row_order): a rank reads the whole rows of those (its columns only) and reorders.
 """
 
 import json
@@ -22,7 +24,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from forge.checkpoint.errors import CheckpointError
 from forge.checkpoint.hf import forge_to_hf_key, hf_expert, hf_to_forge_key
-from forge.checkpoint.hf_config import QWEN3_MOE, family_of, moe_unsupported, read_hf_config
+from forge.checkpoint.hf_config import (
+    QWEN3_MOE,
+    family_of,
+    moe_unsupported,
+    read_hf_config,
+    rope_interleaved,
+    rope_row_order,
+)
 from forge.checkpoint.stages import whole_model_keys, whole_model_names
 from forge.model import Transformer, TransformerArgs
 from forge.parallel.init import plain_name
@@ -159,6 +168,11 @@ def check_hf_config(folder: Path, args: TransformerArgs) -> None:
         raise differs("model_type", family.model_type, "model.moe", ours)
     if args.qk_norm != theirs.qk_norm:
         raise differs("model_type", family.model_type, "model.qk_norm", args.qk_norm)
+    if args.attention_kind != theirs.attention_kind:
+        raise differs("model_type", family.model_type, "model.attention_kind", args.attention_kind)
+    if args.attention_kind == "mla" and args.mla != theirs.mla:
+        field = next(k for k in vars(args.mla) if getattr(args.mla, k) != getattr(theirs.mla, k))
+        raise differs(field, getattr(theirs.mla, field), f"model.mla.{field}", getattr(args.mla, field))
     has_dense_blocks = args.moe is None or args.moe.every > 1
     if has_dense_blocks and args.hidden_dim != theirs.hidden_dim:
         raise differs("intermediate_size", theirs.hidden_dim, "model.ffn_dim", args.hidden_dim)
@@ -205,11 +219,18 @@ def _hf_names(key: str, args: TransformerArgs) -> str | list[str]:
     return forge_to_hf_key(key, family)
 
 
-def _read(weights: HFWeights, key: str, value: torch.Tensor, args: TransformerArgs) -> torch.Tensor:
-    """This rank's part of our `key` from the HF tensors, in `value`'s dtype and device."""
+def _read(
+    weights: HFWeights, key: str, value: torch.Tensor, args: TransformerArgs, interleaved: bool = False
+) -> torch.Tensor:
+    """This rank's part of our `key` from the HF tensors, in `value`'s dtype and device (`interleaved`: the
+    folder's rotary rows are DeepSeek's interleaved pairs)."""
     shape, box = _box(value)
     names = _hf_names(key, args)
-    if isinstance(names, str):
+    order = rope_row_order(key, args) if interleaved else None
+    if order is not None:
+        rows = weights.read(names, shape, (slice(0, shape[0]), *box[1:]))  # all rows: this rank's may come from any
+        local = rows[order][box[0]]
+    elif isinstance(names, str):
         if key == "output.weight" and names not in weights.files:
             names = "model.embed_tokens.weight"  # tied in the folder, untied here: the head starts as a copy
         local = weights.read(names, shape, box)
@@ -262,6 +283,7 @@ def load_hf_into(model: nn.Module, folder: str | Path, exclude: tuple[str, ...] 
     folder = Path(folder).expanduser()
     args = decoder_args(model)
     check_hf_config(folder, args)
+    interleaved = rope_interleaved(json.loads((folder / "config.json").read_text(encoding="utf-8")))
     local = get_model_state_dict(model)
     names = whole_model_names(model, local)
     whole = {key: plain_name(names.get(key, key)) for key in local}
@@ -278,7 +300,7 @@ def load_hf_into(model: nn.Module, folder: str | Path, exclude: tuple[str, ...] 
                 set_model_state_dict(model, batch, options=StateDictOptions(strict=False))
                 batch = {}
             unit = _unit(name)
-            batch[key] = _read(weights, name, local[key], args)
+            batch[key] = _read(weights, name, local[key], args, interleaved)
         if batch:
             set_model_state_dict(model, batch, options=StateDictOptions(strict=False))
         total = weights.total_bytes

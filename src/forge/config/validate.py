@@ -21,7 +21,7 @@ from forge.config.schema import (
     VLMDataConfig,
 )
 from forge.data.vlm.dataset import BAD_MEDIA_POLICIES
-from forge.model.args import ATTENTION_BACKENDS
+from forge.model.args import ATTENTION_BACKENDS, ATTENTION_KINDS
 from forge.model.moe.layer import AUX_LOSS_SCOPES
 from forge.model.moe.router import ROUTER_KINDS
 from forge.model.vlm.connector import CONNECTORS, POOLING_CONNECTORS
@@ -93,6 +93,7 @@ def validate_model(model: DictConfig) -> None:
     else:
         _require(head_dim > 0 and head_dim % 2 == 0, f"model.head_dim={head_dim} must be positive and even for RoPE")
     _require(kv > 0 and heads % kv == 0, f"model.n_heads={heads} is not divisible by model.n_kv_heads={kv}")
+    validate_mla(model)
     moe = model.get("moe")
     if moe is not None:
         _one_of("model.moe.router", moe.router, ROUTER_KINDS)
@@ -104,6 +105,24 @@ def validate_model(model: DictConfig) -> None:
         _require(moe.every >= 1, f"model.moe.every={moe.every} must be at least 1")
         _require(moe.capacity_factor >= 0, f"model.moe.capacity_factor={moe.capacity_factor} must be >= 0")
         _one_of("model.moe.aux_loss_scope", moe.aux_loss_scope, AUX_LOSS_SCOPES)
+
+
+def validate_mla(model: DictConfig) -> None:
+    """model.attention_kind, and under mla the latent widths. A preset's n_kv_heads and head_dim do not apply to
+    latent attention (its widths are model.mla's) and are left as they are; q/k norms are refused."""
+    kind = model.get("attention_kind", "gqa")
+    _one_of("model.attention_kind", kind, ATTENTION_KINDS)
+    if kind != "mla":
+        return
+    mla = model.mla
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        _require(mla[key] > 0, f"model.mla.{key}={mla[key]} must be positive")
+    _require(mla.q_lora_rank >= 0, f"model.mla.q_lora_rank={mla.q_lora_rank} must be >= 0 (0: a full wq)")
+    _require(mla.qk_rope_head_dim % 2 == 0, f"model.mla.qk_rope_head_dim={mla.qk_rope_head_dim} must be even for RoPE")
+    _require(
+        not model.qk_norm,
+        "model.qk_norm=true is not supported with model.attention_kind=mla (latent attention norms its latents)",
+    )
 
 
 def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
@@ -188,6 +207,8 @@ UNSUPPORTED = (
     ("tp+pp", lambda c, d: d.tp > 1 and d.pp > 1, "pipeline stages are not tensor-parallel yet; use one of the two"),
     ("fp8+tp", lambda c, d: c.parallel.fp8 and d.tp > 1,
      "float8 needs float8 tensor-parallel styles, which are not implemented; use parallel.tp=1 with fp8"),
+    ("tp+mla", lambda c, d: d.tp > 1 and c.model.get("attention_kind", "gqa") == "mla",
+     "latent attention has no tensor-parallel plan yet (its low-rank projections are not split); use parallel.tp=1"),
     ("pp+document_masking", lambda c, d: d.pp > 1 and c.data.get("document_masking", False),
      "pipeline stages do not pass the document mask between them; use data.document_masking=false or "
      "parallel.pp=1"),
@@ -204,6 +225,7 @@ def unsupported_keys(name: str, cfg: DictConfig, degrees: Degrees) -> str:
         "moe": "an MoE model (model.moe is set)",
         "fp8": "parallel.fp8=true",
         "document_masking": "data.document_masking=true",
+        "mla": "model.attention_kind=mla",
     }
     return " with ".join(values[part] for part in name.split("+"))
 

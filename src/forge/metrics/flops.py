@@ -22,7 +22,7 @@ class FlopsPerToken:
     """Forward FLOPs per token, by part of the model."""
 
     attention_projections: float
-    """wq, wk, wv (GQA: kv_heads wide) and wo over all blocks."""
+    """wq, wk, wv (GQA: kv_heads wide) and wo over all blocks (MLA: its low-rank q and kv projections and wo)."""
     attention_scores: float
     """QK^T and softmax(QK^T)V over all blocks; grows with seq_len."""
     mlp: float
@@ -51,11 +51,24 @@ def is_moe_block(args: TransformerArgs, layer_id: int) -> bool:
     return args.moe is not None and (layer_id + 1) % args.moe.every == 0
 
 
+def attention_flops(args: TransformerArgs, seq_len: int) -> tuple[float, float]:
+    """(projections, scores) forward FLOPs per token of one attention layer."""
+    heads = args.n_heads
+    if args.attention_kind == "mla":
+        m = args.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = args.dim * m.q_lora_rank + m.q_lora_rank * heads * qk if m.q_lora_rank else args.dim * heads * qk
+        kv_a = args.dim * (m.kv_lora_rank + m.qk_rope_head_dim)
+        kv = kv_a + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        out = heads * m.v_head_dim * args.dim
+        return 2 * (q + kv + out), 2 * heads * (qk + m.v_head_dim) * seq_len
+    q_width, kv_width = heads * args.head_size, args.kv_heads * args.head_size
+    return 2 * args.dim * (2 * q_width + 2 * kv_width), 2 * 2 * q_width * seq_len
+
+
 def count_flops_per_token(args: TransformerArgs, seq_len: int) -> FlopsPerToken:
     """Forward FLOPs per token of a model built from `args`, on sequences of seq_len tokens."""
-    q_width, kv_width = args.n_heads * args.head_size, args.kv_heads * args.head_size
-    projections = 2 * args.dim * (2 * q_width + 2 * kv_width)
-    scores = 2 * 2 * q_width * seq_len
+    projections, scores = attention_flops(args, seq_len)
     moe_blocks = sum(is_moe_block(args, i) for i in range(args.n_layers))
     dense_blocks = args.n_layers - moe_blocks
     moe_per_block = 0.0

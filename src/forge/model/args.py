@@ -1,6 +1,6 @@
 """Arguments of the Llama-style decoder. Plain dataclasses: the config schema extends them."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
@@ -57,6 +57,26 @@ class MoEArgs:
 ATTENTION_BACKENDS = ("sdpa", "flex")
 """TransformerArgs.attention's choices (forge.model.attention runs them)."""
 
+ATTENTION_KINDS = ("gqa", "mla")
+"""TransformerArgs.attention_kind's choices: grouped-query attention, or DeepSeek's multi-head latent attention."""
+
+
+@dataclass
+class MLAArgs:
+    """Multi-head latent attention (DeepSeek-V2 / V3; forge.model.latent_attention), used under attention_kind=mla.
+    The defaults are DeepSeek-V3's."""
+
+    q_lora_rank: int = 1536
+    """Rank of the query's low-rank pair (wq_a, normed, then wq_b); 0 projects queries with one full wq."""
+    kv_lora_rank: int = 512
+    """Width of the per-token latent that keys and values are expanded from."""
+    qk_nope_head_dim: int = 128
+    """Per head: the query / key width without RoPE."""
+    qk_rope_head_dim: int = 64
+    """Per head: the query's rotary width; the rotary key of this width is shared by all heads."""
+    v_head_dim: int = 128
+    """Per head: the value width (wo maps n_heads x v_head_dim back to dim)."""
+
 
 @dataclass
 class TransformerArgs:
@@ -104,6 +124,11 @@ class TransformerArgs:
     sparse BlockMask, compiled: no (seq, seq) mask, masked-out blocks skipped). torch 2.13 has no flex backward on
     CPU: training there runs flex's unfused reference (slow, (seq, seq) scores per head); CPU evaluation and CUDA
     run the compiled kernel. Generation with a KV cache runs SDPA either way; VLMs take sdpa only."""
+    attention_kind: str = "gqa"
+    """gqa: grouped-query attention (n_heads, n_kv_heads, head_dim); mla: multi-head latent attention with the
+    widths of `mla` (DeepSeek-V2 / V3; n_kv_heads and head_dim then do not apply)."""
+    mla: MLAArgs = field(default_factory=MLAArgs)
+    """Widths of multi-head latent attention, read under attention_kind=mla."""
     sliding_window: Any = None
     """None: full causal attention. An int w: each query attends to at most w keys, itself and the w - 1 before it
     (Mistral). A list is cycled over the layers, layer i taking entry i % len, null meaning full: [4096, null]
@@ -113,6 +138,19 @@ class TransformerArgs:
     def head_size(self) -> int:
         """The width of one attention head the model is built with: head_dim, or dim // n_heads when unset."""
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates: the head under gqa, the rotary part (qk_rope_head_dim) under mla."""
+        return self.mla.qk_rope_head_dim if self.attention_kind == "mla" else self.head_size
+
+    @property
+    def kv_width(self) -> int:
+        """Elements per token of one layer's keys plus values as attention reads them (MLA: expanded per head)."""
+        if self.attention_kind == "mla":
+            m = self.mla
+            return self.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+        return 2 * self.kv_heads * self.head_size
 
     @property
     def kv_heads(self) -> int:
@@ -132,3 +170,5 @@ class TransformerArgs:
             self.rope_scaling = RopeScalingArgs(**self.rope_scaling)
         if isinstance(self.moe, dict):
             self.moe = MoEArgs(**self.moe)
+        if isinstance(self.mla, dict):
+            self.mla = MLAArgs(**self.mla)

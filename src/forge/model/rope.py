@@ -40,7 +40,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x of shape (batch, seq, heads, head_dim) by tables of shape (seq, head_dim)."""
-    cos = cos[None, :, None, :].to(x.dtype)
-    sin = sin[None, :, None, :].to(x.dtype)
+    """Rotate x of shape (batch, seq, heads, head_dim) by tables of shape (seq, head_dim), shared by the batch,
+    or (batch, seq, head_dim), per sequence (positions given: decoding, context parallelism)."""
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos = cos[:, :, None, :].to(x.dtype)
+    sin = sin[:, :, None, :].to(x.dtype)
     return x * cos + rotate_half(x) * sin

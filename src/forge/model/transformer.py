@@ -14,9 +14,10 @@ from forge.model.args import TransformerArgs
 from forge.model.attention import DocumentMask, Mask, attend, layer_masks, layer_window
 from forge.model.feed_forward import FeedForward
 from forge.model.init_spec import ONES, InitSpec, apply_specs, fill_piece_, prefixed, trunc_normal
+from forge.model.latent_attention import LatentAttention
 from forge.model.moe import MoE
 from forge.model.moe.experts import GroupedExperts
-from forge.model.rope import apply_rope, rope_tables, rotate_half
+from forge.model.rope import apply_rope, rope_tables
 
 
 class KVCache:
@@ -37,13 +38,6 @@ class KVCache:
             k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
         self.layers[layer_id] = (k, v)
         return k, v
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rope for shared (seq, head_dim) tables or per-sequence (batch, seq, head_dim) ones."""
-    if cos.dim() == 2:
-        return apply_rope(x, cos, sin)
-    return x * cos[:, :, None].to(x.dtype) + rotate_half(x) * sin[:, :, None].to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -78,7 +72,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.update(layer_id, k, v)
@@ -105,7 +99,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = LatentAttention(args) if args.attention_kind == "mla" else Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         moe = args.moe
         if moe is not None and (layer_id + 1) % moe.every == 0:
@@ -152,7 +146,7 @@ class Transformer(nn.Module):
         # False on a later pipeline stage that holds the tied embedding only as its head (its input is hidden states)
         self.embeds_tokens = True
         self.tie_weights()
-        cos, sin = rope_tables(args.head_size, args.max_seq_len, args.rope_theta, args.rope_scaling)
+        cos, sin = rope_tables(args.rope_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -211,7 +205,7 @@ class Transformer(nn.Module):
 
     def init_buffers(self) -> None:
         args = self.args
-        cos, sin = rope_tables(args.head_size, args.max_seq_len, args.rope_theta, args.rope_scaling)
+        cos, sin = rope_tables(args.rope_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
         with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from forge.model.attention import DocumentMask
+from forge.model.latent_attention import LatentAttention
 from forge.model.transformer import Attention
 from forge.parallel.applied import Applied, logged
 
@@ -85,7 +86,7 @@ class _GatherSequence(torch.autograd.Function):
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> Applied:
     """Make every attention layer gather the keys and values of the whole sequence from the cp group."""
     group = cp_mesh.get_group()
-    layers = [module for module in model.modules() if isinstance(module, Attention)]
+    layers = [module for module in model.modules() if isinstance(module, Attention | LatentAttention)]
     for attention in layers:
         attention.gather_kv = lambda t: _GatherSequence.apply(t, group)
     detail = (

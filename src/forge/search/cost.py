@@ -20,9 +20,10 @@ head, on the last stage) from forge.metrics.flops:
     tp         = n x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
                  all-reduces (as sequence-parallel all-gather + reduce-scatter) of micro x seq_len x dim
                  activations, 2 (tp - 1) / tp of them per rank, and the logits gathered on the last stage, not hidden
-    cp         = n x blocks x (4, or 6 with full checkpointing) collectives of the keys and values (all-gathers
+    cp         = n x blocks x (2, or 3 with full checkpointing) passes over the keys and values (all-gathers
                  forward and in the recompute, reduce-scatters of their gradients backward) of micro x seq_len x
-                 kv width / tp elements, (cp - 1) / cp of them per rank, not hidden (attention waits on them)
+                 kv_width / tp elements (keys plus values per token: forge.model.args), (cp - 1) / cp of them per
+                 rank, not hidden (attention waits on them)
     ep         = n x MoE blocks x (4, or 6) all-to-alls of micro x seq_len x top_k x dim, (ep - 1) / ep of them
     pp p2p     = T / dp x dim activations sent per stage boundary and direction (forward from all but the last
                  stage, gradients back from all but the first); with tied embeddings the first and last stage
@@ -254,9 +255,9 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             t["tp"] = seconds
             latency += lat
         if layout.cp > 1:
-            kv = args.kv_heads * args.head_size / layout.tp
-            calls = n_micro * len(blocks) * per_tp
-            elems = calls * (layout.cp - 1) / layout.cp * layout.micro_batch_size * seq * kv
+            calls = n_micro * len(blocks) * per_tp  # keys and values: a call each, per pass
+            passes = calls / 2
+            elems = passes * (layout.cp - 1) / layout.cp * layout.micro_batch_size * seq * args.kv_width / layout.tp
             moved["cp"] = elems * act_bytes
             seconds, lat = links.seconds("cp", moved["cp"], calls)
             t["cp"] = seconds

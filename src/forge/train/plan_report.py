@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from forge.config import validate
 from forge.config.degrees import Degrees, resolve_degrees
+from forge.metrics.flops import attention_flops
 from forge.parallel.applied import Applied
 
 GIB = 2**30
@@ -83,14 +84,26 @@ def ffn_token_width(args) -> float:
 
 def block_activation_elems(args) -> float:
     """Elements autograd keeps per token for one block (see the module docstring)."""
+    if args.attention_kind == "mla":
+        return 4 * args.dim + mla_activation_elems(args) + 4 * ffn_token_width(args)
     q_width = args.n_heads * args.head_size  # dim unless model.head_dim sets the heads apart from the width
     return 4 * args.dim + 3 * q_width + 2 * args.kv_heads * args.head_size + 4 * ffn_token_width(args)
+
+
+def mla_activation_elems(args) -> float:
+    """Per token, what latent attention keeps past the norms' outputs: the q latent and its norm, the kv latent
+    and its norm, SDPA's per-head queries, keys, values and output (the values and output padded to the query
+    width when narrower, forge.model.latent_attention) and the output fed to wo."""
+    m, heads = args.mla, args.n_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    sdpa_value = max(qk, m.v_head_dim)
+    return 2 * m.q_lora_rank + 2 * m.kv_lora_rank + heads * (2 * qk + 2 * sdpa_value + m.v_head_dim)
 
 
 def block_gather_params(args, degrees: Degrees) -> float:
     """Parameters of the largest block that FSDP all-gathers (an upper bound: GQA has fewer). An MoE block's
     expert weights are gathered only over dp_shard / ep ranks, and only this rank's E / ep experts."""
-    attention = 4 * args.dim * args.n_heads * args.head_size
+    attention = attention_flops(args, 0)[0] / 2  # one multiply-add per weight
     dense = attention + 3 * args.dim * args.hidden_dim
     moe = args.moe
     if moe is None:
@@ -129,7 +142,7 @@ def estimate_memory(
     tokens = micro_batch_size * seq_len * in_flight / cp
     head = (2 * args.dim + 4 * args.vocab_size) if has_head else 0
     # context parallel: SDPA keeps the whole sequence's keys and values (cp x the rank's own)
-    block = block_activation_elems(args) + 2 * args.kv_heads * args.head_size * (cp - 1)
+    block = block_activation_elems(args) + args.kv_width * (cp - 1)
     # a dense mask: the boolean (seq / cp x seq) mask per sample lives through the forward, and each block's SDPA
     # keeps a copy in the compute dtype (under full checkpointing only the recomputed block's)
     mask = micro_batch_size * in_flight * seq_len * seq_len / cp if dense_masks or cp > 1 else 0

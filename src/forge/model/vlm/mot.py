@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge.model.args import TransformerArgs
-from forge.model.transformer import KVCache, TransformerBlock, _rotate
+from forge.model.rope import apply_rope
+from forge.model.transformer import KVCache, TransformerBlock
 from forge.model.vlm.base import PrefixVLM
 
 
@@ -33,7 +34,7 @@ def mot_block(
     if ta.q_norm is not None:
         q = torch.cat([ia.q_norm(q[:, :n_visual]), ta.q_norm(q[:, n_visual:])], dim=1)
         k = torch.cat([ia.k_norm(k[:, :n_visual]), ta.k_norm(k[:, n_visual:])], dim=1)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if cache is not None:
         k, v = cache.update(text.layer_id, k, v)
