@@ -1,6 +1,7 @@
 """Multi-head latent attention (model.attention_kind=mla) in and out, against transformers' DeepseekV3ForCausalLM.
 
-Dense DeepSeek-V3 models (every block below first_k_dense_replace), with and without the query's low-rank pair.
+Dense DeepSeek-V3 models (every block below first_k_dense_replace), with and without the query's low-rank pair,
+and MoE ones (every block, one expert group, unscaled weights: forge's sigmoid_topk router with a shared expert).
 Their folders interleave the rotary pairs (rope_interleave, transformers' default), which forge reorders on import;
 exports say rope_interleave=false. Tolerance as tests/checkpoint/test_qwen3.py: 64 ulp of the largest logit.
 """
@@ -43,6 +44,36 @@ def deepseek_dir(request, tmp_path_factory) -> Path:
     assert config.rope_interleave  # the layout of DeepSeek's own checkpoints
     randomize(DeepseekV3ForCausalLM(config)).save_pretrained(folder)
     return folder
+
+
+MOE = dict(first_k_dense_replace=0, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE |= dict(n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0)
+
+
+@pytest.fixture(scope="module")
+def deepseek_moe_dir(tmp_path_factory) -> Path:
+    """Every block MoE, with selection biases away from zero (they choose experts, and do not weigh them)."""
+    folder = tmp_path_factory.mktemp("deepseek_v3_moe")
+    model = randomize(DeepseekV3ForCausalLM(DeepseekV3Config(q_lora_rank=32, **(SHAPE | MOE))))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(1)))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_a_deepseek_v3_moe_folder_loads_and_exports_with_matching_logits(deepseek_moe_dir, tokens, tmp_path):
+    want = logits(DeepseekV3ForCausalLM.from_pretrained(deepseek_moe_dir), tokens)
+    model = forge.load_pretrained(deepseek_moe_dir)
+    moe = model.args.moe
+    assert (moe.router, moe.num_experts, moe.top_k, moe.num_shared_experts) == ("sigmoid_topk", 8, 2, 1)
+    assert model.layers["0"].feed_forward.router.expert_bias.abs().sum() > 0
+    assert_logits_close(model(tokens).detach(), want)
+    sliced = build_transformer(model.args)
+    load_hf_into(sliced, deepseek_moe_dir)
+    assert_logits_close(logits(sliced.eval(), tokens), want)
+    save_as("hf", model.state_dict(), model.args, tmp_path / "hf")
+    assert_logits_close(logits(DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf"), tokens), want)
 
 
 def test_a_deepseek_v3_folder_loads_with_matching_logits(deepseek_dir, tokens):
@@ -98,14 +129,20 @@ def test_latent_attention_decodes_with_the_kv_cache_as_it_runs_whole(tokens):
 
 
 def test_what_deepseek_v3_interop_does_not_cover_is_refused(tmp_path):
-    config = args_to_hf_config(TransformerArgs(dim=64, n_heads=4, attention_kind="mla", mla=MLAArgs(**MLA)))
-    with pytest.raises(CheckpointError, match="first_k_dense_replace=1 < num_hidden_layers=4 is not supported"):
-        hf_config_to_args(config | {"first_k_dense_replace": 1})
-    with pytest.raises(CheckpointError, match="rope_type 'yarn' is not supported"):
-        hf_config_to_args(config | {"rope_scaling": {"rope_type": "yarn", "factor": 40.0}})
-    moe = TransformerArgs(dim=64, n_heads=4, attention_kind="mla", mla=MLAArgs(**MLA), moe=MoEArgs(num_experts=4))
-    with pytest.raises(CheckpointError, match="no DeepseekV3ForCausalLM equivalent yet"):
-        save_as("hf", build_transformer(moe).state_dict(), moe, tmp_path / "hf")
+    moe = MoEArgs(num_experts=8, top_k=2, expert_ffn_dim=32, router="sigmoid_topk")
+    config = args_to_hf_config(TransformerArgs(dim=64, n_heads=4, attention_kind="mla", mla=MLAArgs(**MLA), moe=moe))
+    assert hf_config_to_args(config).moe == moe
+    for change, message in [
+        ({"first_k_dense_replace": 1}, "first_k_dense_replace=1 is not supported"),  # DeepSeek-V3's own: 3
+        ({"n_group": 8, "topk_group": 4}, "n_group=8 with topk_group=4 is not supported"),
+        ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5 is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 40.0}}, "rope_type 'yarn' is not supported"),
+    ]:
+        with pytest.raises(CheckpointError, match=message):
+            hf_config_to_args(config | change)
+    softmax = TransformerArgs(dim=64, n_heads=4, attention_kind="mla", mla=MLAArgs(**MLA), moe=MoEArgs(num_experts=4))
+    with pytest.raises(CheckpointError, match=r"model\.moe\.router=softmax_topk \(DeepSeek-V3 routes with sigmoid"):
+        save_as("hf", build_transformer(softmax).state_dict(), softmax, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 

@@ -31,6 +31,7 @@ from forge.model.transformer import KVCache, build_transformer
 from forge.train.plan_report import plan_report
 from forge.train.trainer import Trainer
 from tests.checkpoint.test_convert import TINY
+from tests.tiny import losses
 
 ULPS = 64
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
@@ -203,6 +204,8 @@ def test_a_run_warm_started_from_qwen3_exports_what_transformers_loads(tmp_path)
         trainer.model.layers["1"].attention.k_norm.weight, hf_source.model.layers[1].self_attn.k_norm.weight
     )
     trainer.fit()
+    curve = losses(tmp_path / "run")  # the scaled-down Qwen3 learns the embedded corpus
+    assert curve[3] < curve[1]
     exported = Path(tmp_path / "run/hf")
     assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
     ours = forge.load_pretrained(tmp_path / "run")  # the final checkpoint of the same weights

@@ -43,11 +43,15 @@ _LAYER_NAMES = {
     "mlp.gate_proj": "feed_forward.w1",
     "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2",
+    "mlp.shared_experts.gate_proj": "feed_forward.shared_experts.w1",  # DeepSeek-V3's shared experts
+    "mlp.shared_experts.up_proj": "feed_forward.shared_experts.w3",
+    "mlp.shared_experts.down_proj": "feed_forward.shared_experts.w2",
     "input_layernorm": "attention_norm",
     "post_attention_layernorm": "ffn_norm",
 }
 _ROUTER = "feed_forward.router.gate"
-_HF_ROUTERS = ("block_sparse_moe.gate", "mlp.gate")  # Mixtral's, Qwen3-MoE's
+_HF_ROUTERS = ("block_sparse_moe.gate", "mlp.gate")  # Mixtral's, Qwen3-MoE's and DeepSeek-V3's
+_ROUTER_BIAS = ("e_score_correction_bias", "feed_forward.router.expert_bias")  # DeepSeek-V3's gate leaf, ours
 _TOP_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
@@ -83,6 +87,8 @@ def hf_to_forge_key(key: str) -> str:
         raise CheckpointError(f"unexpected Hugging Face key '{key}'")
     layer, module, leaf = parts[2], ".".join(parts[3:-1]), parts[-1]
     if module in _HF_ROUTERS:
+        if leaf == _ROUTER_BIAS[0]:  # the sigmoid router's selection bias
+            return f"layers.{layer}.{_ROUTER_BIAS[1]}"
         return f"layers.{layer}.{_ROUTER}.{leaf}"
     if module not in _LAYER_NAMES:
         raise CheckpointError(f"unexpected Hugging Face key '{key}'")
@@ -99,6 +105,8 @@ def forge_to_hf_key(key: str, family: HFFamily) -> str:
         reverse_layer[_ROUTER] = f"{family.moe_module}.gate"
     parts = key.split(".")
     layer, module, leaf = parts[1], ".".join(parts[2:-1]), parts[-1]
+    if family.moe_module and ".".join(parts[2:]) == _ROUTER_BIAS[1]:
+        return f"model.layers.{layer}.{family.moe_module}.gate.{_ROUTER_BIAS[0]}"
     if parts[0] != "layers" or module not in reverse_layer:
         raise CheckpointError(f"key '{key}' has no Hugging Face {family.architecture} equivalent")
     return f"model.layers.{layer}.{reverse_layer[module]}.{leaf}"

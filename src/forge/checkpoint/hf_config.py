@@ -1,10 +1,11 @@
 """Hugging Face config.json <-> forge model args, for the five transformers architectures forge's decoder is.
 
 Which one a model is follows from three settings: a latent-attention model (`model.attention_kind=mla`) is
-`DeepseekV3ForCausalLM` (dense blocks only, so far); an MoE model is `MixtralForCausalLM` or, with per-head q/k
-norms (`model.qk_norm=true`), `Qwen3MoeForCausalLM`; a dense one is `LlamaForCausalLM` or, with q/k norms,
-`Qwen3ForCausalLM`. DeepSeek-V3 checkpoints interleave the rotary pairs (`rope_interleave`, default true); forge
-rotates halves, so those rows are reordered on import (`rope_row_order`) and exports say rope_interleave=false.
+`DeepseekV3ForCausalLM` (dense, or MoE in every block with one expert group); an MoE model is
+`MixtralForCausalLM` or, with per-head q/k norms (`model.qk_norm=true`), `Qwen3MoeForCausalLM`; a dense one is
+`LlamaForCausalLM` or, with q/k norms, `Qwen3ForCausalLM`. DeepSeek-V3 checkpoints interleave the rotary pairs
+(`rope_interleave`, default true); forge rotates halves, so those rows are reordered on import (`rope_row_order`)
+and exports say rope_interleave=false.
 The other four use rotate-half RoPE, SwiGLU and RMSNorm (the q/k norms too: over head_dim, before RoPE, with the
 model's eps), bias-free projections and an explicit `head_dim`. Their MoE routers are softmax
 top-k; Qwen3-MoE renormalises the k weights only under `norm_topk_prob` (forge always does). Settings one side
@@ -40,7 +41,9 @@ LLAMA = HFFamily("LlamaForCausalLM", "llama")
 QWEN3 = HFFamily("Qwen3ForCausalLM", "qwen3")
 MIXTRAL = HFFamily("MixtralForCausalLM", "mixtral", "block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"})
 QWEN3_MOE = HFFamily("Qwen3MoeForCausalLM", "qwen3_moe", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
-DEEPSEEK_V3 = HFFamily("DeepseekV3ForCausalLM", "deepseek_v3")
+DEEPSEEK_V3 = HFFamily(
+    "DeepseekV3ForCausalLM", "deepseek_v3", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+)
 FAMILIES = {f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)}
 
 
@@ -54,13 +57,15 @@ def family_of(args: TransformerArgs) -> HFFamily:
 
 def moe_unsupported(moe: MoEArgs, family: HFFamily = MIXTRAL) -> str | None:
     """The first MoE setting `family` cannot express, as `model.moe.X=value (why)`; None if all fit."""
-    name = "Mixtral" if family is MIXTRAL else "Qwen3-MoE"
-    if moe.router != "softmax_topk":
-        return f"model.moe.router={moe.router} ({name} routes with softmax_topk)"
-    if moe.num_shared_experts:
+    name = "Mixtral" if family is MIXTRAL else "DeepSeek-V3" if family is DEEPSEEK_V3 else "Qwen3-MoE"
+    router = "sigmoid_topk" if family is DEEPSEEK_V3 else "softmax_topk"
+    if moe.router != router:
+        return f"model.moe.router={moe.router} ({name} routes with {router})"
+    if moe.num_shared_experts and family is not DEEPSEEK_V3:
         return f"model.moe.num_shared_experts={moe.num_shared_experts} ({name} has no shared experts)"
-    if moe.every != 1 and family is MIXTRAL:
-        return f"model.moe.every={moe.every} (every Mixtral block is an MoE block)"
+    if moe.every != 1 and family in (MIXTRAL, DEEPSEEK_V3):
+        what = "every Mixtral block is" if family is MIXTRAL else "forge's MoE blocks from the first on are"
+        return f"model.moe.every={moe.every} ({what} an MoE block)"
     if moe.capacity_factor > 0:
         return f"model.moe.capacity_factor={moe.capacity_factor} ({name} drops no tokens)"
     return None
@@ -131,12 +136,25 @@ def args_to_hf_config(args: TransformerArgs) -> dict:
 
 
 def _deepseek_v3_config(args: TransformerArgs) -> dict:
-    """The DeepSeek-V3 fields of a dense latent-attention model (every block below first_k_dense_replace)."""
+    """The DeepSeek-V3 fields of a latent-attention model: dense (every block below first_k_dense_replace), or MoE
+    in every block (first_k_dense_replace 0) with one expert group and unscaled weights, which is forge's
+    sigmoid_topk router (renormalised unbiased scores, the bias only choosing)."""
+    moe_fields: dict = {"first_k_dense_replace": args.n_layers}
     if args.moe is not None:
-        raise CheckpointError(
-            "model.moe with model.attention_kind=mla has no DeepseekV3ForCausalLM equivalent yet (DeepSeek-V3's "
-            "group-limited, scaled sigmoid routing is not mapped to forge's router); only dense MLA models export"
-        )
+        reason = moe_unsupported(args.moe, DEEPSEEK_V3)
+        if reason:
+            raise CheckpointError(f"{reason} has no DeepseekV3ForCausalLM equivalent; this model cannot be exported")
+        moe_fields = {
+            "first_k_dense_replace": 0,
+            "n_routed_experts": args.moe.num_experts,
+            "num_experts_per_tok": args.moe.top_k,
+            "moe_intermediate_size": args.moe.expert_ffn_dim or args.hidden_dim,
+            "n_shared_experts": args.moe.num_shared_experts,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": True,
+        }
     if args.qk_norm:
         raise CheckpointError("model.qk_norm=true has no DeepseekV3ForCausalLM equivalent")
     m = args.mla
@@ -149,18 +167,42 @@ def _deepseek_v3_config(args: TransformerArgs) -> dict:
         "qk_rope_head_dim": m.qk_rope_head_dim,
         "v_head_dim": m.v_head_dim,
         "rope_interleave": False,
-        "first_k_dense_replace": args.n_layers,
         "attention_bias": False,
+        **moe_fields,
     }
 
 
-def _deepseek_v3_mla(config: dict) -> MLAArgs:
+def _deepseek_v3_moe(config: dict) -> MoEArgs | None:
+    """None for a dense model; MoE in every block as forge's sigmoid_topk router, or a CheckpointError naming the
+    first routing setting forge cannot express."""
     layers, dense = config["num_hidden_layers"], config.get("first_k_dense_replace", 3)
-    if dense < layers:
+    if dense >= layers:
+        return None
+    if dense > 0:
         raise CheckpointError(
-            f"first_k_dense_replace={dense} < num_hidden_layers={layers} is not supported: DeepSeek-V3's MoE blocks "
-            "are not mapped yet (dense latent-attention models only)"
+            f"first_k_dense_replace={dense} is not supported: forge places MoE blocks by model.moe.every only (0: "
+            f"all {layers} blocks MoE, or >= num_hidden_layers: all dense)"
         )
+    groups, kept = config.get("n_group") or 1, config.get("topk_group") or 1
+    if kept < groups:
+        raise CheckpointError(
+            f"n_group={groups} with topk_group={kept} is not supported (group-limited routing; forge's sigmoid_topk "
+            "chooses among all experts)"
+        )
+    if config.get("routed_scaling_factor", 1.0) != 1.0:
+        raise CheckpointError(f"routed_scaling_factor={config['routed_scaling_factor']} is not supported (1.0 only)")
+    if not config.get("norm_topk_prob", True):
+        raise CheckpointError("norm_topk_prob=false is not supported (forge's sigmoid_topk renormalises the k weights)")
+    return MoEArgs(
+        num_experts=config["n_routed_experts"],
+        top_k=config["num_experts_per_tok"],
+        num_shared_experts=config.get("n_shared_experts") or 0,
+        expert_ffn_dim=config["moe_intermediate_size"],
+        router="sigmoid_topk",
+    )
+
+
+def _deepseek_v3_mla(config: dict) -> MLAArgs:
     heads = config["num_attention_heads"]
     if config.get("num_key_value_heads", heads) != heads:
         raise CheckpointError(f"num_key_value_heads={config['num_key_value_heads']} != num_attention_heads={heads}")
@@ -232,7 +274,7 @@ def _qwen3_moe_args(config: dict) -> MoEArgs:
 
 
 def hf_config_to_args(config: dict) -> TransformerArgs:
-    """Our model args from a Llama, Mixtral, Qwen3, Qwen3-MoE or (dense) DeepSeek-V3 config.json."""
+    """Our model args from a Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 config.json."""
     model_type = config.get("model_type") or LLAMA.model_type
     if model_type not in FAMILIES:
         raise CheckpointError(f"model_type {model_type!r} is not supported ({', '.join(FAMILIES)} only)")
@@ -273,6 +315,7 @@ def hf_config_to_args(config: dict) -> TransformerArgs:
             tie_embeddings=config.get("tie_word_embeddings", False),
             attention_kind="mla",
             mla=_deepseek_v3_mla(config),
+            moe=_deepseek_v3_moe(config),
         )
     return TransformerArgs(
         dim=hidden,
