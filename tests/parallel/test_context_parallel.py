@@ -53,6 +53,9 @@ def runs(tmp_path_factory, docs) -> dict[str, dict]:
         "cp2": ["parallel=cp2"],
         "cp2_docs": ["parallel=cp2", *docs, WINDOW],
         "cp2_mla": ["parallel=cp2", *MLA],  # latent attention gathers its expanded keys and values
+        # the gather runs again when the block is recomputed in backward (selective keeps only matmul outputs)
+        "cp2_ac_full": ["parallel=cp2", "parallel.activation_checkpoint=full"],
+        "cp2_ac_selective": ["parallel=cp2", "parallel.activation_checkpoint=selective"],
     }
     four = {
         "cp2_fsdp": ["parallel=cp2_fsdp"],
@@ -71,6 +74,8 @@ LAYOUTS = {  # name: (reference, str() of the placements of a wq weight)
     "cp2": ("single", ["S(0)"]),
     "cp2_docs": ("single_docs", ["S(0)"]),
     "cp2_mla": ("single_mla", ["S(0)"]),
+    "cp2_ac_full": ("single", ["S(0)"]),
+    "cp2_ac_selective": ("single", ["S(0)"]),
     "cp2_fsdp": ("single", ["S(0)"]),
     "cp2_fsdp_docs": ("single_docs", ["S(0)"]),
     "cp2_hsdp": ("single", ["R", "S(0)"]),
@@ -138,3 +143,19 @@ def test_presets_fill_any_even_world():
         cp2, cp2_fsdp = (validate(compose([f"parallel={name}"]), world_size=world) for name in ("cp2", "cp2_fsdp"))
         assert (cp2.cp, cp2.dp_replicate, cp2.dp_shard) == (2, world // 2, 1)
         assert (cp2_fsdp.cp, cp2_fsdp.dp_shard, cp2_fsdp.fsdp_shard) == (2, world // 2, world)
+
+
+def test_expanded_kv_heads_attend_as_grouped_ones():
+    """The masked CUDA path repeats the kv heads (forge.model.attention.attend): the same attention as SDPA's own
+    grouping, checked here on the CPU under a context-parallel part's mask."""
+    import torch.nn.functional as F
+
+    from forge.model.attention import expand_kv_heads
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 8, 6, 16, generator=gen), *torch.randn(2, 2, 2, 12, 16, generator=gen)
+    mask = dense_attention_mask(torch.zeros(1, 12, dtype=torch.long), None, chunk_positions(12, 2, 1),
+                                gathered_positions(12, 2))  # fmt: skip
+    grouped = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    expanded = F.scaled_dot_product_attention(q, expand_kv_heads(k, 8), expand_kv_heads(v, 8), attn_mask=mask)
+    torch.testing.assert_close(expanded, grouped)

@@ -34,9 +34,12 @@ LAYOUTS = {  # preset -> the same layout as the search writes it
     "ep2_fsdp": Layout(1, 4, 1, 1, 2, "none", 1),
     "pp2": Layout(2, 1, 1, 2, 1, "none", 2, "1f1b", 2),  # x DDP over 2: 2 micro-batches of 2 chunks
     "cp2_fsdp": Layout(1, 2, 1, 1, 1, "none", 1, cp=2),  # FSDP over dp_shard 2 x cp 2, K/V over the cp pairs
+    "cp2_fsdp_selective": Layout(1, 2, 1, 1, 1, "selective", 1, cp=2),  # the recompute gathers K/V again
 }
-MODEL = {"ep2_fsdp": ["model=moe_tiny"]}
-"""The MoE layout trains the default MoE (8 experts, top 2) at the tiny width."""
+MODEL = {"ep2_fsdp": ["model=moe_tiny"], "cp2_fsdp_selective": ["parallel.activation_checkpoint=selective"]}
+"""The MoE layout trains the default MoE (8 experts, top 2) at the tiny width; other extra overrides."""
+PRESET = {"cp2_fsdp_selective": "cp2_fsdp"}
+"""The parallel preset of a layout not named after one."""
 MICRO = {
     "pp2_fsdp": [],
     "pp2": ["train.micro_batch_size=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.microbatches=2"],
@@ -89,7 +92,7 @@ def micro(preset: str) -> list[str]:
 
 
 def overrides(preset: str) -> list[str]:
-    return [*TINY, f"parallel={preset}", *micro(preset), *MODEL.get(preset, [])]
+    return [*TINY, f"parallel={PRESET.get(preset, preset)}", *micro(preset), *MODEL.get(preset, [])]
 
 
 def count_one_step(root: str) -> dict[str, dict]:

@@ -157,10 +157,13 @@ def check_hf_config(folder: Path, args: TransformerArgs) -> None:
             f"{config_file} has {hf_key}={their_value} but {setting}={our_value}: the weights do not fit this model"
         )
 
+    mla = args.attention_kind == "mla"  # n_kv_heads and head_dim do not apply: model.mla's widths do
     for f in _SHAPE_FIELDS:
+        if mla and f.ours == "kv_heads":
+            continue
         if getattr(args, f.ours) != getattr(theirs, f.ours):
             raise differs(f.hf, getattr(theirs, f.ours), f.setting, getattr(args, f.ours))
-    if args.head_size != theirs.head_size:
+    if not mla and args.head_size != theirs.head_size:
         raise differs("head_dim", theirs.head_size, "model.head_dim", args.head_size)
     family = family_of(theirs)
     if (args.moe is None) != (theirs.moe is None):

@@ -497,6 +497,10 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
         _require(value == 1, f"parallel.{name}={value} is not supported with a VLM (data parallelism and FSDP only)")
     for key in ("compile", "fp8"):
         _require(not cfg.parallel[key], f"parallel.{key}=true is not supported with a VLM yet")
+    _require(
+        cfg.model.get("attention_kind", "gqa") == "gqa",
+        "model.attention_kind=mla is not supported with a VLM (its decoders build grouped-query attention)",
+    )
     _one_of("vlm.connector", vlm.connector, CONNECTORS)
     if vlm.connector in POOLING_CONNECTORS:
         tokens = vlm.connector_tokens

@@ -142,7 +142,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> tor
         return _compiled(flex_attention)(q, k, v, block_mask=mask, enable_gqa=gqa)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if gqa and q.is_cuda:
+        # CUDA's masked kernel (memory-efficient) takes no grouped heads: with enable_gqa SDPA would fall back
+        # to the math kernel and hold (batch, heads, queries, keys) scores
+        k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
+        gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def expand_kv_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(batch, kv heads, keys, d) -> (batch, heads, keys, d): each kv head repeated for its group of query heads,
+    as SDPA's enable_gqa groups them (query head h reads kv head h // (heads / kv heads))."""
+    return t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 def _no_score_mod(score, b, h, q_idx, kv_idx):

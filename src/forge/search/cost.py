@@ -6,7 +6,7 @@ split each sequence (T / dp / cp tokens per rank), and F the forward FLOPs per t
 head, on the last stage) from forge.metrics.flops:
 
     compute    = 3 F x T / dp / cp / tp / (peak x compute_efficiency)
-    recompute  = F_blocks x T / dp / tp / (peak x efficiency) under full checkpointing (one more forward); a tenth
+    recompute  = F_blocks x T / dp / cp / tp / (peak x efficiency) under full checkpointing (one more forward); a tenth
                  of that under selective (the cheap ops recomputed)
     fsdp       = n x c x (s - 1) / s x P / tp x (gathers x param bytes + 4 reduce bytes) / link,
                  s = dp_shard x cp the FSDP shard group, c the pipeline chunks (microbatches; 1 without pp), each
@@ -20,8 +20,9 @@ head, on the last stage) from forge.metrics.flops:
     tp         = n x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
                  all-reduces (as sequence-parallel all-gather + reduce-scatter) of micro x seq_len x dim
                  activations, 2 (tp - 1) / tp of them per rank, and the logits gathered on the last stage, not hidden
-    cp         = n x blocks x (2, or 3 with full checkpointing) passes over the keys and values (all-gathers
-                 forward and in the recompute, reduce-scatters of their gradients backward) of micro x seq_len x
+    cp         = n x blocks x (2, or 3 with full or selective checkpointing: selective recomputes the
+                 collective too) passes over the keys and values (all-gathers forward and in the recompute,
+                 reduce-scatters of their gradients backward) of micro x seq_len x
                  kv_width / tp elements (keys plus values per token: forge.model.args), (cp - 1) / cp of them per
                  rank, not hidden (attention waits on them)
     ep         = n x MoE blocks x (4, or 6) all-to-alls of micro x seq_len x top_k x dim, (ep - 1) / ep of them
@@ -178,8 +179,9 @@ class Links:
 
 
 def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settings: SearchSettings,
-            dtype: str = "bf16") -> Prediction:  # fmt: skip
-    """Memory and step time of `layout` for a model of `shape` trained with `cfg_train` (seq_len, global batch)."""
+            dtype: str = "bf16", dense_masks: bool = False) -> Prediction:  # fmt: skip
+    """Memory and step time of `layout` for a model of `shape` trained with `cfg_train` (seq_len, global batch);
+    `dense_masks`: attention runs under dense masks (documents or windows with SDPA, as --plan counts them)."""
     args, degrees = shape.args, layout.degrees
     seq, batch = cfg_train.seq_len, cfg_train.global_batch_size
     act_bytes = 2 if dtype == "bf16" else 4
@@ -206,7 +208,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         local = params / layout.tp / shard
         in_flight = pipeline_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
         mem = estimate_memory(args, degrees, local, len(blocks), last, layout.micro_batch_size, seq, in_flight,
-                              act_bytes)  # fmt: skip
+                              act_bytes, dense_masks=dense_masks)  # fmt: skip
         memory = mem.peak(layout.activation_checkpoint == "full")
         block_flops = per_block * len(blocks) * tokens_rank / layout.tp
         forward = block_flops + (flops.head * tokens_rank / layout.tp if last else 0)
@@ -255,7 +257,8 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             t["tp"] = seconds
             latency += lat
         if layout.cp > 1:
-            calls = n_micro * len(blocks) * per_tp  # keys and values: a call each, per pass
+            per_cp = 4 if layout.activation_checkpoint == "none" else 6  # selective keeps matmuls, not collectives
+            calls = n_micro * len(blocks) * per_cp  # keys and values: a call each, per pass
             passes = calls / 2
             elems = passes * (layout.cp - 1) / layout.cp * layout.micro_batch_size * seq * args.kv_width / layout.tp
             moved["cp"] = elems * act_bytes

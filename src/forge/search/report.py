@@ -10,6 +10,7 @@ from forge.search.cost import ModelShape, Prediction, predict
 from forge.search.devices import DEVICES, GIB, Device, device_from_profile
 from forge.search.layouts import layouts
 from forge.search.settings import SearchSettings
+from forge.train.plan_report import uses_dense_masks
 
 
 def settings_of(cfg: DictConfig) -> SearchSettings:
@@ -63,11 +64,12 @@ def search(cfg: DictConfig) -> tuple[list[Prediction], int, list[str]]:
     memory = (settings.memory_gib or device.memory_gib) * GIB * (1 - settings.memory_headroom)
     shape = ModelShape.of(build.build_meta_model(cfg))
     dtype = "fp32" if train.dtype == "fp32" else "bf16"
+    dense_masks = uses_dense_masks(cfg)
     considered, fitting = 0, []
     for layout in layouts(shape.args, world, train.global_batch_size, settings.gpus_per_node,
                           settings.max_micro_batch_size, train.seq_len):  # fmt: skip
         considered += 1
-        prediction = predict(layout, shape, train, device, settings, dtype)
+        prediction = predict(layout, shape, train, device, settings, dtype, dense_masks)
         if prediction.memory <= memory:
             fitting.append(prediction)
     fitting.sort(key=lambda p: (p.step, p.memory, p.layout.pp_schedule == "gpipe"))  # ties: 1F1B holds less

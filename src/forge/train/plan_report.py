@@ -90,6 +90,16 @@ def block_activation_elems(args) -> float:
     return 4 * args.dim + 3 * q_width + 2 * args.kv_heads * args.head_size + 4 * ffn_token_width(args)
 
 
+def saved_kv_width(args) -> float:
+    """Elements per token of one layer's keys and values as SDPA keeps them (MLA's values padded to the query
+    width, forge.model.latent_attention)."""
+    if args.attention_kind != "mla":
+        return args.kv_width
+    m = args.mla
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    return args.n_heads * (qk + max(qk, m.v_head_dim))
+
+
 def mla_activation_elems(args) -> float:
     """Per token, what latent attention keeps past the norms' outputs: the q latent and its norm, the kv latent
     and its norm, SDPA's per-head queries, keys, values and output (the values and output padded to the query
@@ -101,7 +111,7 @@ def mla_activation_elems(args) -> float:
 
 
 def block_gather_params(args, degrees: Degrees) -> float:
-    """Parameters of the largest block that FSDP all-gathers (an upper bound: GQA has fewer). An MoE block's
+    """Parameters of the largest block that FSDP all-gathers. An MoE block's
     expert weights are gathered only over dp_shard / ep ranks, and only this rank's E / ep experts."""
     attention = attention_flops(args, 0)[0] / 2  # one multiply-add per weight
     dense = attention + 3 * args.dim * args.hidden_dim
@@ -142,10 +152,12 @@ def estimate_memory(
     tokens = micro_batch_size * seq_len * in_flight / cp
     head = (2 * args.dim + 4 * args.vocab_size) if has_head else 0
     # context parallel: SDPA keeps the whole sequence's keys and values (cp x the rank's own)
-    block = block_activation_elems(args) + args.kv_width * (cp - 1)
+    block = block_activation_elems(args) + saved_kv_width(args) * (cp - 1)
     # a dense mask: the boolean (seq / cp x seq) mask per sample lives through the forward, and each block's SDPA
     # keeps a copy in the compute dtype (under full checkpointing only the recomputed block's)
-    mask = micro_batch_size * in_flight * seq_len * seq_len / cp if dense_masks or cp > 1 else 0
+    # one row per sample with documents or windows; without, the context-parallel mask is one row, broadcast
+    rows = micro_batch_size * in_flight if dense_masks else 1
+    mask = rows * seq_len * seq_len / cp if dense_masks or cp > 1 else 0
     full = tokens * (rank_blocks * block + head) * act_bytes / degrees.tp + mask * (1 + rank_blocks * act_bytes)
     ckpt = tokens * (rank_blocks * args.dim + block + head) * act_bytes / degrees.tp + mask * (1 + act_bytes)
     shard = degrees.fsdp_shard

@@ -36,6 +36,7 @@ class Step(Protocol):
 
 
 def token_mean(loss_sum: torch.Tensor, tokens: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
-    """The mean token loss over every dp rank, from each rank's (loss sum, labelled tokens): one all-reduce."""
+    """The mean token loss over every token rank (dp x cp), from each rank's (loss sum, labelled tokens): one
+    all-reduce."""
     totals = sum_over_token_ranks(torch.stack([loss_sum, tokens.to(loss_sum)]), mesh)
     return totals[0] / totals[1].clamp(min=1)
