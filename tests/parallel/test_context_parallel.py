@@ -48,14 +48,16 @@ def runs(tmp_path_factory, docs) -> dict[str, dict]:
         "single": ["parallel=single", "train.micro_batch_size=8"],
         "single_docs": ["parallel=single", "train.micro_batch_size=8", *docs, WINDOW],
         "single_mla": ["parallel=single", "train.micro_batch_size=8", *MLA],
+        "single_flex_docs": ["parallel=single", "train.micro_batch_size=8", "model.attention=flex", *docs, WINDOW],
     }
     two = {
         "cp2": ["parallel=cp2"],
         "cp2_docs": ["parallel=cp2", *docs, WINDOW],
         "cp2_mla": ["parallel=cp2", *MLA],  # latent attention gathers its expanded keys and values
-        # the gather runs again when the block is recomputed in backward (selective keeps only matmul outputs)
-        "cp2_ac_full": ["parallel=cp2", "parallel.activation_checkpoint=full"],
+        # the gather runs again when the block is recomputed in backward (selective keeps only matmul outputs;
+        # full checkpointing recomputes the same way)
         "cp2_ac_selective": ["parallel=cp2", "parallel.activation_checkpoint=selective"],
+        "cp2_flex_docs": ["parallel=cp2", "model.attention=flex", *docs, WINDOW],  # a BlockMask of the rank's part
     }
     four = {
         "cp2_fsdp": ["parallel=cp2_fsdp"],
@@ -74,8 +76,8 @@ LAYOUTS = {  # name: (reference, str() of the placements of a wq weight)
     "cp2": ("single", ["S(0)"]),
     "cp2_docs": ("single_docs", ["S(0)"]),
     "cp2_mla": ("single_mla", ["S(0)"]),
-    "cp2_ac_full": ("single", ["S(0)"]),
     "cp2_ac_selective": ("single", ["S(0)"]),
+    "cp2_flex_docs": ("single_flex_docs", ["S(0)"]),
     "cp2_fsdp": ("single", ["S(0)"]),
     "cp2_fsdp_docs": ("single_docs", ["S(0)"]),
     "cp2_hsdp": ("single", ["R", "S(0)"]),
@@ -109,6 +111,23 @@ def test_chunks_balance_the_causal_work_and_cover_the_sequence():
     assert torch.equal(gathered_positions(seq, cp), torch.cat(parts))
 
 
+def test_a_parts_block_mask_allows_what_its_dense_mask_allows():
+    from forge.model.attention import flex_block_mask
+
+    doc_ids = torch.arange(512).div(100, rounding_mode="floor")[None].expand(2, -1)
+    queries, keys = chunk_positions(512, 2, 1), gathered_positions(512, 2)
+    block = flex_block_mask(doc_ids, 64, block_size=128, queries=queries, keys=keys)
+    dense = dense_attention_mask(doc_ids, 64, queries, keys)
+    assert torch.equal(block.to_dense().bool(), block_any(dense, 128))
+    assert block.sparsity() > 40  # the chunks are contiguous: most key blocks of a query block are skipped
+
+
+def block_any(mask: torch.Tensor, size: int) -> torch.Tensor:
+    """(B, 1, Q / size, K / size): True where any element of a (size x size) block is allowed."""
+    b, h, q, k = mask.shape
+    return mask.view(b, h, q // size, size, k // size, size).any(dim=(3, 5))
+
+
 def test_a_part_of_the_sequence_gets_its_rows_of_the_whole_mask():
     doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2]])
     whole = dense_attention_mask(doc_ids, window=3)
@@ -121,7 +140,6 @@ REFUSED = {  # overrides on 4 ranks -> what the one line names
     "seq": (["parallel=cp2", "train.seq_len=30"], "train.seq_len=30 is not divisible by 2 x parallel.cp=2"),
     "pp": (["parallel=cp2", "parallel.pp=2", "parallel.dp_replicate=1"], "parallel.cp=2 with parallel.pp=2"),
     "moe": (["parallel=cp2", "model=moe_tiny"], "parallel.cp=2 with an MoE model"),
-    "flex": (["parallel=cp2", "model.attention=flex"], "parallel.cp=2 with model.attention=flex"),
     "compile": (["parallel=cp2", "parallel.compile=true"], "parallel.cp=2 with parallel.compile=true"),
     "vlm": (["parallel=cp2", "vlm=joint_decoder", "data=vqa_embedded"], "parallel.cp=2 is not supported with a VLM"),
 }

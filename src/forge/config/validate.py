@@ -525,14 +525,13 @@ def validate_context_parallel(cfg: DictConfig, degrees: Degrees) -> None:
     refused = {
         f"parallel.pp={degrees.pp}": degrees.pp > 1,
         "an MoE model (model.moe is set)": cfg.model.get("moe") is not None,
-        "model.attention=flex": cfg.model.attention == "flex",
         "parallel.compile=true": bool(cfg.parallel.compile),
     }
     for what, applies in refused.items():
         _require(
             not applies,
-            f"parallel.cp={cp} with {what} is not supported yet (context parallelism covers dense models with SDPA, "
-            "any dp, fsdp and tp; use parallel.cp=1)",
+            f"parallel.cp={cp} with {what} is not supported yet (context parallelism covers dense models, any dp, "
+            "fsdp and tp; use parallel.cp=1)",
         )
 
 

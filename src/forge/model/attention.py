@@ -89,12 +89,28 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
-def flex_block_mask(doc_ids: torch.Tensor, window: int | None = None, block_size: int = 128) -> BlockMask:
+def flex_block_mask(
+    doc_ids: torch.Tensor,
+    window: int | None = None,
+    block_size: int = 128,
+    queries: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
+) -> BlockMask:
     """FlexAttention BlockMask of `allowed`, built by a compiled create_block_mask (the eager one would evaluate
-    the rule on the whole (B, S, S) grid at once)."""
+    the rule on the whole (B, S, S) grid at once); of the query and key positions given, as dense_attention_mask
+    (context parallelism: each of a rank's chunks and each rank's gathered keys is a contiguous range, so the
+    blocks of a chunk of at least block_size tokens stay as sparse as the whole sequence's)."""
     batch, seq = doc_ids.shape
     rule = allowed(doc_ids, _window_tensor(window, seq, doc_ids.device))
-    return _compiled(create_block_mask)(rule, batch, None, seq, seq, device=doc_ids.device, BLOCK_SIZE=block_size)
+    if queries is None:
+        return _compiled(create_block_mask)(rule, batch, None, seq, seq, device=doc_ids.device, BLOCK_SIZE=block_size)
+    keys = queries if keys is None else keys
+
+    def part(b, h, q_idx, kv_idx):
+        return rule(b, h, queries[q_idx], keys[kv_idx])
+
+    build = _compiled(create_block_mask)
+    return build(part, batch, None, len(queries), len(keys), device=doc_ids.device, BLOCK_SIZE=block_size)
 
 
 def within_window(queries: int, keys: int, window: int, device: torch.device) -> torch.Tensor:
@@ -122,10 +138,12 @@ def layer_masks(
         elif mask is None and window is None and not flex:
             masks[window] = None  # SDPA's own causal mask
         else:
-            if mask is not None and mask.queries is not None:
-                if flex:
-                    raise NotImplementedError("flex attention over part of each sequence (context parallelism)")
-                masks[window] = dense_attention_mask(mask.doc_ids, window, mask.queries, mask.keys)
+            if mask is not None and mask.queries is not None:  # part of each sequence (context parallelism)
+                if flex:  # a BlockMask has a row per sample (one row of ids broadcasts only in a dense mask)
+                    doc_ids = mask.doc_ids.expand(batch, -1)
+                    masks[window] = flex_block_mask(doc_ids, window, queries=mask.queries, keys=mask.keys)
+                else:
+                    masks[window] = dense_attention_mask(mask.doc_ids, window, mask.queries, mask.keys)
                 continue
             doc_ids = mask.doc_ids if mask is not None else torch.zeros(batch, queries, dtype=torch.long, device=device)
             masks[window] = flex_block_mask(doc_ids, window) if flex else dense_attention_mask(doc_ids, window)

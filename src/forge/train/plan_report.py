@@ -157,7 +157,8 @@ def estimate_memory(
     # keeps a copy in the compute dtype (under full checkpointing only the recomputed block's)
     # one row per sample with documents or windows; without, the context-parallel mask is one row, broadcast
     rows = micro_batch_size * in_flight if dense_masks else 1
-    mask = rows * seq_len * seq_len / cp if dense_masks or cp > 1 else 0
+    sdpa = getattr(args, "attention", "sdpa") == "sdpa"  # flex's BlockMask is (seq / 128)^2 blocks: left out
+    mask = rows * seq_len * seq_len / cp if sdpa and (dense_masks or cp > 1) else 0
     full = tokens * (rank_blocks * block + head) * act_bytes / degrees.tp + mask * (1 + rank_blocks * act_bytes)
     ckpt = tokens * (rank_blocks * args.dim + block + head) * act_bytes / degrees.tp + mask * (1 + act_bytes)
     shard = degrees.fsdp_shard
