@@ -143,3 +143,17 @@ def test_validation_refuses_in_one_line_naming_the_keys(overrides, keys):
     with pytest.raises(ConfigError) as err:
         validate(compose(overrides), world_size=2 if "parallel=pp2" in overrides else 1)
     assert keys in str(err.value) and "\n" not in str(err.value)
+
+
+def test_block_masks_of_other_shapes_first_do_not_break_the_kernel():
+    """A context-parallel part's mask, then the whole sequence's at another batch: the compiled create_block_mask
+    recompiles per shape (static; with dynamic sizes inductor's CPU kernel failed to build in torch 2.13)."""
+    from forge.model.attention import flex_block_mask
+    from forge.parallel.context_parallel import chunk_positions, gathered_positions
+
+    doc_ids = torch.arange(512).div(100, rounding_mode="floor")[None].expand(2, -1)
+    flex_block_mask(doc_ids, 64, queries=chunk_positions(512, 2, 1), keys=gathered_positions(512, 2))
+    documents, window = CASES["documents+window"]
+    dense_out, _ = outputs_and_grads(masks(documents, window, flex=False))
+    flex_out, _ = outputs_and_grads(masks(documents, window, flex=True))
+    torch.testing.assert_close(flex_out, dense_out, atol=1e-5, rtol=1e-5)

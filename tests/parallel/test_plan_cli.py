@@ -65,9 +65,12 @@ def test_memory_estimate_matches_measured_peak_of_a_cpu_step(tmp_path):
     script = Path(__file__).with_name("measure_memory.py")
     # Large blocks from mmap, so that freed activations leave the RSS instead of glibc's heap.
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr
-    measured, estimated = (float(x) for x in proc.stdout.split()[-2:])
+    runs = []
+    for _ in range(2):  # the noise only adds (allocator caches, a busy machine's page faults): keep the lower
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr
+        runs.append([float(x) for x in proc.stdout.split()[-2:]])
+    measured, estimated = min(runs)
     # Peak RSS growth is a noisy measure (allocator, import-time peaks): the estimate read 0.90 and 0.70 of it in
     # two fresh environments. The tolerance still catches a missing term (optimizer state, grads, activations).
     assert estimated == pytest.approx(measured, rel=0.45), proc.stdout

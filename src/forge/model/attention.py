@@ -86,7 +86,9 @@ def dense_attention_mask(
 
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
-    return torch.compile(fn)
+    # Static shapes: a second shape (another batch or sequence length, a context-parallel part) would otherwise
+    # recompile with dynamic sizes, and inductor's CPU kernel of create_block_mask then fails to build (torch 2.13).
+    return torch.compile(fn, dynamic=False)
 
 
 def flex_block_mask(
