@@ -152,6 +152,19 @@ def layer_masks(
     return masks
 
 
+def visible_keys(
+    k: torch.Tensor, v: torch.Tensor, cache, layer_id: int, gather: Callable | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (batch, kv heads, keys, d) keys and values a layer's queries attend over: these positions', after the
+    cache's past ones (decoding: cache.update appends and returns them all) and gathered from the ranks holding
+    the sequence's other parts (context parallelism sets the layer's `gather_kv`)."""
+    if cache is not None:
+        k, v = cache.update(layer_id, k, v)
+    if gather is not None:
+        k, v = gather(k), gather(v)
+    return k, v
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
     """Attention of (batch, heads, seq, head_dim) queries over (batch, kv heads, keys, head_dim) keys and values
     (grouped when there are fewer kv heads) under one layer's mask, by the kernel that mask is for."""

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge.model.args import MLAArgs, TransformerArgs
-from forge.model.attention import Mask, attend
+from forge.model.attention import Mask, attend, visible_keys
 from forge.model.init_spec import ONES, InitSpec, apply_specs, trunc_normal
 from forge.model.rope import apply_rope
 
@@ -73,10 +73,7 @@ class LatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if cache is not None:
-            k, v = cache.update(layer_id, k, v)
-        if self.gather_kv is not None:
-            k, v = self.gather_kv(k), self.gather_kv(v)
+        k, v = visible_keys(k, v, cache, layer_id, self.gather_kv)
         # SDPA's fused CPU and CUDA kernels want one head width for q, k and v (else the math path holds the
         # (seq, seq) weights): pad the values to the query width and drop the padding after
         pad = q.shape[-1] - self.v_dim

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from forge.model.args import TransformerArgs
-from forge.model.attention import DocumentMask, Mask, attend, layer_masks, layer_window
+from forge.model.attention import DocumentMask, Mask, attend, layer_masks, layer_window, visible_keys
 from forge.model.feed_forward import FeedForward
 from forge.model.init_spec import ONES, InitSpec, apply_specs, fill_piece_, prefixed, trunc_normal
 from forge.model.latent_attention import LatentAttention
@@ -74,10 +74,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if cache is not None:
-            k, v = cache.update(layer_id, k, v)
-        if self.gather_kv is not None:
-            k, v = self.gather_kv(k), self.gather_kv(v)
+        k, v = visible_keys(k, v, cache, layer_id, self.gather_kv)
         out = attend(q, k, v, attn_mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
