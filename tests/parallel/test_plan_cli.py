@@ -1,6 +1,5 @@
 """`forge-train --plan`: the layout of a large run on a fake process group, with nothing allocated."""
 
-import os
 import re
 import subprocess
 import sys
@@ -60,20 +59,16 @@ def test_plan_of_llama3_8b_on_32_ranks_is_quick_and_allocates_nothing(tmp_path):
     assert int(proc.stderr.split()[-1]) * 1024 < 1.5 * 2**30
 
 
-def test_memory_estimate_matches_measured_peak_of_a_cpu_step(tmp_path):
-    """Run the estimate's CPU case in a fresh process and compare with its measured peak RSS growth."""
+def test_memory_estimate_matches_measured_peak_of_a_cpu_step():
+    """The estimate of a CPU step against the peak of live tensor bytes that torch's allocator reports (the process
+    RSS adds glibc's caches: the estimate read 0.5-0.9 of its growth on different machines; benchmarks/ measure it)."""
     script = Path(__file__).with_name("measure_memory.py")
-    # Large blocks from mmap, so that freed activations leave the RSS instead of glibc's heap.
-    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072"}
-    runs = []
-    for _ in range(2):  # the noise only adds (allocator caches, a busy machine's page faults): keep the lower
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr
-        runs.append([float(x) for x in proc.stdout.split()[-2:]])
-    measured, estimated = min(runs)
-    # Peak RSS growth is a noisy measure (allocator, import-time peaks): the estimate read 0.90 and 0.70 of it in
-    # two fresh environments. The tolerance still catches a missing term (optimizer state, grads, activations).
-    assert estimated == pytest.approx(measured, rel=0.45), proc.stdout
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    measured, estimated = (float(x) for x in proc.stdout.split()[-2:])
+    # The estimate read 1.04 of it. The count is the same on every machine, so 6 % can still tell a missing term:
+    # leaving out AdamW's two moments reads 0.93.
+    assert estimated == pytest.approx(measured, rel=0.06), proc.stdout
 
 
 def test_report_runs_in_process_for_one_rank():
