@@ -3,18 +3,24 @@
 A config group's schema (config/schema.py) declares its options with their defaults and docstrings; the `_target_`
 it builds takes them as parameters without defaults. Two copies drift (they did: `cache_dir`), so a parameter with
 a default in both fails here. A list of choices that config/validate.py checks is the one the implementing code
-declares, imported, not a second literal.
+declares, imported, not a second literal; a choice of a field is an Enum (refused at composition), not listed in
+validate.py at all.
 """
 
 import ast
 import dataclasses
+import enum
 import inspect
+import re
+import typing
 from pathlib import Path
 
+import pytest
 import yaml
 from hydra.utils import get_object
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from forge.config import ConfigError, compose
 from forge.config.paths import conf_dir
 from forge.config.schema import SCHEMAS
 
@@ -104,4 +110,77 @@ def test_validation_lists_no_choice_the_code_declares():
         for lineno, choices in checked
         if choices in elsewhere
     ]
+    assert not repeated, "\n".join(repeated)
+
+
+def enum_of(annotation) -> type[enum.Enum] | None:
+    """The Enum of a field annotated `E` or `Optional[E]`."""
+    for kind in (annotation, *typing.get_args(annotation)):
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            return kind
+    return None
+
+
+def enum_fields(node: DictConfig, prefix: str = "") -> dict[str, type[enum.Enum]]:
+    """`key: Enum` for every Enum field of every schema node under `node` (a composed config)."""
+    found: dict[str, type[enum.Enum]] = {}
+    schema = OmegaConf.get_type(node)
+    hints = typing.get_type_hints(schema) if dataclasses.is_dataclass(schema) else {}
+    for key in node:
+        choices = enum_of(hints.get(str(key)))
+        if choices is not None:
+            found[f"{prefix}{key}"] = choices
+        child = node._get_node(key)  # not the value: an unset (None) sub-config is skipped, interpolations unread
+        if isinstance(child, DictConfig) and not child._is_none():
+            found.update(enum_fields(child, f"{prefix}{key}."))
+    return found
+
+
+# Compositions that, together, hold every config group with an Enum field (an MoE model, a VLM and its data).
+COMPOSITIONS = ([], ["model=moe_tiny"], ["vlm=joint_decoder", "data=vqa_embedded"])
+CHOICE_FIELDS = {key: kind for overrides in COMPOSITIONS for key, kind in enum_fields(compose(list(overrides))).items()}
+COMPOSED_WITH = {
+    key: list(overrides) for overrides in reversed(COMPOSITIONS) for key in enum_fields(compose(list(overrides)))
+}
+
+
+def test_closed_choices_are_enum_fields():
+    for key in (
+        "parallel.activation_checkpoint",
+        "parallel.pp_schedule",
+        "train.dtype",
+        "checkpoint.async_mode",
+        "model.attention",
+        "model.moe.router",
+        "vlm.connector",
+        "data.on_bad_media",
+    ):
+        assert key in CHOICE_FIELDS, sorted(CHOICE_FIELDS)
+
+
+@pytest.mark.parametrize("key", sorted(CHOICE_FIELDS))
+def test_a_choice_an_enum_does_not_have_is_refused_at_composition(key):
+    choices = ", ".join(member.name for member in CHOICE_FIELDS[key])
+    with pytest.raises(ConfigError, match=re.escape(f"{key}='bogus' is not one of {choices}")):
+        compose([*COMPOSED_WITH[key], f"{key}=bogus"])
+
+
+def test_validation_lists_no_choice_an_enum_field_declares():
+    """validate.py keeps only rules across fields: an Enum's values (or most of them) or its class are not there."""
+    source = (SRC / "config" / "validate.py").read_text()
+    tree = ast.parse(source)
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    names |= {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    listed = string_collections(tree)
+    repeated = []
+    for key, kind in CHOICE_FIELDS.items():
+        values = {member.value for member in kind}
+        repeated += [f"{key}: validate.py uses {kind.__name__}" for _ in [1] if kind.__name__ in names]
+        repeated += [f"{key}: validate.py:{line} lists {sorted(c)}" for line, c in listed if len(c & values) >= 2]
+        repeated += [f"{key}: validate.py checks it with _one_of" for _ in [1] if f'_one_of("{key}"' in source]
     assert not repeated, "\n".join(repeated)

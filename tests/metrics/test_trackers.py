@@ -7,7 +7,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from forge.config import compose
+from forge.config import compose, validate
 from forge.metrics import MetricsLogger
 from tests.metrics.wandb_records import history, run_ids
 
@@ -100,3 +100,33 @@ def test_unknown_tracker_fails_naming_it(tmp_path):
     cfg = compose(["metrics.trackers=[tensorbord]"])
     with pytest.raises(ValueError, match="tensorbord"):
         MetricsLogger.from_config(cfg.metrics, tmp_path, 10)
+
+
+class ListTracker:
+    """A tracker of a user's own, built from its `_target_` like the three of conf/metrics/tracker."""
+
+    logged: list[tuple[str, int, dict]] = []
+
+    def __init__(self, prefix: str, *, run_dir, run_id, config, project, run_name):
+        self.prefix, self.run_id = prefix, run_id
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        ListTracker.logged.append((self.prefix, step, values))
+
+    def close(self, exit_code: int = 0) -> None:
+        ListTracker.logged.append((self.prefix, -1, {"exit_code": exit_code}))
+
+
+def test_a_tracker_of_ones_own_is_one_more_tracker_config(tmp_path):
+    cfg = compose([
+        "+metrics.tracker_configs.mine={_target_:tests.metrics.test_trackers.ListTracker,prefix:run}",
+        "metrics.trackers=[mine]",
+    ])  # fmt: skip
+    validate(cfg, world_size=1)
+    ListTracker.logged.clear()
+    logger = MetricsLogger.from_config(cfg.metrics, tmp_path, 2)
+    assert [t.name for t in logger.trackers] == ["mine"]
+    logger.log_train(1, train_metrics(1))
+    logger.close()
+    assert ListTracker.logged[0][:2] == ("run", 1) and ListTracker.logged[0][2]["loss"] == 10.0
+    assert ListTracker.logged[-1] == ("run", -1, {"exit_code": 0})

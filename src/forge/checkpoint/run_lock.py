@@ -23,7 +23,6 @@ from forge.checkpoint.errors import CheckpointError
 log = logging.getLogger("forge")
 
 LOCK_NAME = "forge.lock"
-RUN_LOCK_MODES = ("wait", "refuse", "off")
 _WAITING, _HELD, _GAVE_UP = 0, 1, 2
 
 

@@ -3,3 +3,20 @@
 
 class ConfigError(ValueError):
     """An impossible or unsupported combination of config values; the message names the keys."""
+
+
+def composition_message(err: Exception) -> str:
+    """One line for an error Hydra raises while composing (a bad override, a value of the wrong type, a choice
+    that is not one of its Enum's, a missing config option): the key, the value and why."""
+    cause = err.__cause__
+    key = getattr(cause, "full_key", None)
+    if not key:
+        return " ".join(str(err).split())  # a missing option lists the available ones on lines of their own
+    reason = str(getattr(cause, "msg", cause)).strip().splitlines()[0]
+    value = getattr(cause, "value", None)
+    if value is None:
+        return f"{key}: {reason}"
+    if "expected one of [" in reason:  # an Enum field: the same words as the validation pass's
+        reason = "is not one of " + reason.split("expected one of [", 1)[1].rstrip("]")
+        return f"{key}={value!r} {reason}"
+    return f"{key}={value!r}: {reason}"

@@ -16,6 +16,9 @@ _GROUP_SCHEMAS = {
     "train": schema.TrainConfig,
     "checkpoint": schema.CheckpointConfig,
     "metrics": schema.MetricsConfig,
+    "metrics.tracker_configs.tensorboard": schema.TensorBoardTrackerConfig,
+    "metrics.tracker_configs.wandb": schema.WandbTrackerConfig,
+    "metrics.tracker_configs.mlflow": schema.MlflowTrackerConfig,
     "resilience": schema.ResilienceConfig,
     "search": schema.SearchConfig,
 }

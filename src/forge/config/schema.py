@@ -6,7 +6,8 @@ documentation of every option (`forge-train --help` prints them).
 """
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from enum import StrEnum
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -23,9 +24,24 @@ class ModelConfig(TransformerArgs):
     _target_: str = "forge.model.args.TransformerArgs"
 
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-ACTIVATION_CHECKPOINT_MODES = ("none", "full", "selective")
-MIXED_PRECISION_DTYPES = ("bf16", "fp32")
+# A choice's name is its value: OmegaConf turns `parallel.pp_schedule=1f1b` into the member of that name.
+PPSchedule = StrEnum("PPSchedule", [(name, name) for name in ("gpipe", "1f1b", "interleaved_1f1b")], module=__name__)
+"""ParallelConfig.pp_schedule's choices (forge.parallel.pipeline runs them)."""
+
+
+class ActivationCheckpoint(StrEnum):
+    """ParallelConfig.activation_checkpoint's choices (forge.parallel.activation_checkpoint)."""
+
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+class MixedPrecisionDtype(StrEnum):
+    """The dtypes FSDP's mixed precision takes (ParallelConfig.param_dtype and reduce_dtype)."""
+
+    bf16 = "bf16"
+    fp32 = "fp32"
 
 
 @dataclass
@@ -45,11 +61,11 @@ class ParallelConfig:
     """Pipeline-parallel stages (dense models only)."""
     ep: int = 1
     """Expert-parallel degree (MoE models only); experts must divide evenly."""
-    pp_schedule: str = "1f1b"
+    pp_schedule: PPSchedule = PPSchedule["1f1b"]
     """Pipeline schedule: gpipe, 1f1b or interleaved_1f1b."""
     microbatches: Optional[int] = None
     """Pipeline microbatches per step; None uses the number of stages."""
-    activation_checkpoint: str = "none"
+    activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     """Activation checkpointing: none, full (every block) or selective (keeps matmul outputs)."""
     compile: bool = False
     """torch.compile each block."""
@@ -57,10 +73,10 @@ class ParallelConfig:
     """Float8 training of linear layers through torchao (needs a GPU with fp8, or runs slowly on CPU)."""
     world_size: Optional[int] = None
     """Expected number of processes; None reads it from torchrun's or SLURM's environment."""
-    param_dtype: Optional[str] = None
+    param_dtype: Optional[MixedPrecisionDtype] = None
     """FSDP mixed precision: dtype of the all-gathered (unsharded) parameters, bf16 or fp32; null follows the
     compute dtype (train.dtype). The sharded master weights and the optimizer state stay fp32."""
-    reduce_dtype: str = "fp32"
+    reduce_dtype: MixedPrecisionDtype = MixedPrecisionDtype.fp32
     """FSDP mixed precision: dtype in which gradients are reduce-scattered / all-reduced (fp32 or bf16)."""
     defer_grad_sync: Optional[bool] = None
     """Gradient accumulation: true reduces gradients only after the last micro-batch (fewer collectives, but
@@ -216,8 +232,20 @@ class WSDScheduleConfig(DecayScheduleConfig):
     """Fraction of total_steps spent decaying."""
 
 
-COMPUTE_DTYPES = ("auto", "bf16", "fp32")
-DEVICES = ("auto", "cpu", "cuda")
+class ComputeDtype(StrEnum):
+    """TrainConfig.dtype's choices (forge.train.precision)."""
+
+    auto = "auto"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class DeviceKind(StrEnum):
+    """TrainConfig.device's choices."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
 
 
 @dataclass
@@ -247,17 +275,28 @@ class TrainConfig:
     whatever the micro-batch size and the number of ranks, so a resume in another layout continues the curve."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is always logged)."""
-    device: str = "auto"
+    device: DeviceKind = DeviceKind.auto
     """auto (cuda when available), cpu or cuda."""
-    dtype: str = "auto"
+    dtype: ComputeDtype = ComputeDtype.auto
     """Compute dtype of matmuls: bf16 (autocast; weights stay fp32), fp32, or auto (bf16 on CUDA and on CPUs
     with native bf16 dot products, fp32 elsewhere)."""
     threads: int = 0
     """Intra-op CPU threads; 0 keeps torch's default."""
 
 
-ASYNC_MODES = ("sync", "async", "async_pinned")
-SAVE_ERROR_POLICIES = ("raise", "continue")
+AsyncMode = StrEnum("AsyncMode", [(name, name) for name in ("sync", "async", "async_pinned")], module=__name__)
+"""CheckpointConfig.async_mode's choices (forge.checkpoint.manager); `async` is a keyword, hence no class body."""
+
+SaveErrorPolicy = StrEnum("SaveErrorPolicy", [(name, name) for name in ("raise", "continue")], module=__name__)
+"""CheckpointConfig.on_save_error's choices."""
+
+
+class RunLockMode(StrEnum):
+    """CheckpointConfig.run_lock's choices (forge.checkpoint.run_lock)."""
+
+    wait = "wait"
+    refuse = "refuse"
+    off = "off"
 
 
 @dataclass
@@ -283,7 +322,7 @@ class CheckpointConfig:
     overwrite: bool = False
     """Let a run that does not resume (resume=none, or another run's checkpoint) start in a run directory that
     already holds checkpoints; they are kept (retention deletes only this run's own), same steps are replaced."""
-    run_lock: str = "wait"
+    run_lock: RunLockMode = RunLockMode.wait
     """One job per run directory: a second job (a requeued job while the old one drains) waits for the first to
     end (wait, up to run_lock_timeout_s), stops at once (refuse), or is not stopped (off)."""
     run_lock_timeout_s: float = 600.0
@@ -293,15 +332,21 @@ class CheckpointConfig:
     Mixtral folder (config.json + *.safetensors; each rank reads only the slices it holds)."""
     load_weights_exclude: list[str] = field(default_factory=list)
     """Key prefixes left at their initial values in a warm start (e.g. output. for a new head)."""
-    async_mode: str = "sync"
+    async_mode: AsyncMode = AsyncMode.sync
     """sync, async, or async_pinned."""
-    on_save_error: str = "raise"
+    on_save_error: SaveErrorPolicy = SaveErrorPolicy["raise"]
     """When a save fails (full disk, unwritable folder): raise (stop the run) or continue training."""
     save_hf: bool = False
     """At the end of the run, also write the final weights as a Hugging Face folder (config.json, model.safetensors
     and the tokenizer) for LlamaForCausalLM / MixtralForCausalLM.from_pretrained, gathered one tensor at a time."""
     hf_dir: str = "hf"
     """Folder of the save_hf export, relative to the run directory unless absolute (replaced at each run's end)."""
+
+
+NonfinitePolicy = StrEnum(
+    "NonfinitePolicy", [(name, name) for name in ("warn", "skip", "raise", "rollback")], module=__name__
+)
+"""ResilienceConfig.nonfinite_policy's choices (forge.resilience.nonfinite)."""
 
 
 @dataclass
@@ -313,7 +358,7 @@ class ResilienceConfig:
     preemption_deadline_s: float = 300.0
     """After a preemption signal, exit anyway when the final checkpoint has not finished within this many seconds
     (then up to 5 s more to end the tracker runs)."""
-    nonfinite_policy: str = "raise"
+    nonfinite_policy: NonfinitePolicy = NonfinitePolicy["raise"]
     """NaN/Inf loss or gradient norm: warn, skip (no optimizer step), raise, or rollback (reload the last
     checkpoint and skip the offending batches)."""
     max_rollbacks: int = 3
@@ -339,27 +384,67 @@ class ResilienceConfig:
 
 
 @dataclass
+class TensorBoardTrackerConfig:
+    """TensorBoard event files through torch's SummaryWriter (`tensorboard --logdir outputs`)."""
+
+    _target_: str = MISSING
+    log_dir: str = "tensorboard"
+    """Event folder, relative to the run directory."""
+
+
+class WandbMode(StrEnum):
+    """WandbTrackerConfig.mode's choices (wandb.init's)."""
+
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+@dataclass
+class WandbTrackerConfig:
+    """Weights & Biases; offline by default (upload later with `wandb sync RUN_DIR/wandb/offline-run-*`)."""
+
+    _target_: str = MISSING
+    mode: WandbMode = WandbMode.offline
+    """offline (files in run_dir/wandb, `wandb sync` later), online or disabled."""
+    entity: Optional[str] = None
+    """W&B team or user (None = the default entity)."""
+
+
+@dataclass
+class MlflowTrackerConfig:
+    """MLflow through MlflowClient (`mlflow ui --backend-store-uri RUN_DIR/mlruns`)."""
+
+    _target_: str = MISSING
+    tracking_uri: Optional[str] = None
+    """MLflow tracking URI; None uses a local file store in run_dir/mlruns."""
+
+
+class ConsoleMode(StrEnum):
+    """MetricsConfig.console's choices (forge.metrics.logger)."""
+
+    line = "line"
+    quiet = "quiet"
+
+
+@dataclass
 class MetricsConfig:
     """Logging: console, metrics.jsonl (always) and optional trackers."""
 
-    console: str = "line"
+    console: ConsoleMode = ConsoleMode.line
     """line (one line per log interval) or quiet (only the summary)."""
     smoothing: float = 0.9
     """Exponential smoothing of the logged loss."""
     trackers: list[str] = field(default_factory=list)
-    """Extra trackers: tensorboard, wandb, mlflow (rank 0 only; a resume continues the checkpoint's runs)."""
+    """Extra trackers, by their names in tracker_configs: tensorboard, wandb, mlflow (rank 0 only; a resume
+    continues the checkpoint's runs)."""
+    tracker_configs: dict[str, Any] = field(default_factory=dict)
+    """The trackers `trackers` can name, each its `_target_` class and its options (conf/metrics/tracker/*.yaml).
+    A tracker of your own: `+metrics.tracker_configs.mine={_target_: my.Tracker}` and `metrics.trackers=[mine]`."""
     project: str = "forge"
     """Project or experiment name used by trackers."""
     run_name: Optional[str] = None
     """Display name of the tracker runs (None lets each tracker choose)."""
-    tensorboard_dir: str = "tensorboard"
-    """TensorBoard event folder, relative to the run directory."""
-    wandb_mode: str = "offline"
-    """W&B mode: offline (files in run_dir/wandb, `wandb sync` later), online or disabled."""
-    wandb_entity: Optional[str] = None
-    """W&B team or user (None = the default entity)."""
-    mlflow_tracking_uri: Optional[str] = None
-    """MLflow tracking URI; None uses a local file store in run_dir/mlruns."""
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one device for MFU; None looks the device up in a table, or measures a CPU or
     unknown device with a short matmul at start-up (cached in FORGE_CACHE_DIR)."""
@@ -371,6 +456,15 @@ class MetricsConfig:
     """Last optimizer step profiled (inclusive)."""
     memory_snapshot: bool = False
     """Record a CUDA memory snapshot over the profiled steps (a log line and nothing else on CPU)."""
+
+
+class Connector(StrEnum):
+    """VLMConfig.connector's choices (forge.model.vlm.connector)."""
+
+    linear = "linear"
+    mlp = "mlp"
+    avgpool = "avgpool"
+    attnpool = "attnpool"
 
 
 @dataclass
@@ -385,7 +479,7 @@ class VLMConfig:
     """clip or siglip: the small local encoder built when encoder_path is None."""
     cache_dir: str = "${oc.env:FORGE_CACHE_DIR,${oc.env:HOME}/.cache/forge}"
     """Where the small local encoder is written."""
-    connector: str = "mlp"
+    connector: Connector = Connector.mlp
     """Vision-to-text connector: linear, mlp (2 layers), avgpool or attnpool (the last two reduce tokens)."""
     connector_tokens: Optional[int] = None
     """Tokens per image (frame) after avgpool or attnpool."""
@@ -417,6 +511,13 @@ class MoMaVLMConfig(VLMConfig):
     """Each expert takes capacity_factor x tokens / experts tokens of a sequence."""
 
 
+class BadMediaPolicy(StrEnum):
+    """VLMDataConfig.on_bad_media's choices (forge.data.vlm.dataset)."""
+
+    skip = "skip"
+    error = "error"
+
+
 @dataclass
 class VLMDataConfig:
     """Image or video records with text, preprocessed with the vision tower's image processor."""
@@ -436,7 +537,7 @@ class VLMDataConfig:
     """Video: frames sampled per second (the first and last frame of a clip are always kept)."""
     answer_only_loss: bool = True
     """Loss on the target text only (not on the prompt or question)."""
-    on_bad_media: str = "skip"
+    on_bad_media: BadMediaPolicy = BadMediaPolicy.skip
     """An unreadable image or video: skip (and count in media_skipped) or error (naming the file)."""
 
 
@@ -631,6 +732,9 @@ SCHEMAS: dict[str, type] = {
     "train_schema": TrainConfig,
     "checkpoint_schema": CheckpointConfig,
     "metrics_schema": MetricsConfig,
+    "tensorboard_tracker_schema": TensorBoardTrackerConfig,
+    "wandb_tracker_schema": WandbTrackerConfig,
+    "mlflow_tracker_schema": MlflowTrackerConfig,
     "resilience_schema": ResilienceConfig,
     "vlm_schema": VLMConfig,
     "cross_attention_vlm_schema": CrossAttentionVLMConfig,

@@ -9,22 +9,11 @@ from forge.config.degrees import Degrees, resolve_degrees
 from forge.config.errors import ConfigError
 from forge.config.interpolations import validate_interpolations
 from forge.config.schema import (
-    ACTIVATION_CHECKPOINT_MODES,
-    ASYNC_MODES,
-    COMPUTE_DTYPES,
-    DEVICES,
-    MIXED_PRECISION_DTYPES,
-    PP_SCHEDULES,
-    SAVE_ERROR_POLICIES,
     EmbeddedDataConfig,
     MemmapDataConfig,
     VLMDataConfig,
 )
-from forge.data.vlm.dataset import BAD_MEDIA_POLICIES
-from forge.model.args import ATTENTION_BACKENDS, ATTENTION_KINDS
-from forge.model.moe.layer import AUX_LOSS_SCOPES
-from forge.model.moe.router import ROUTER_KINDS
-from forge.model.vlm.connector import CONNECTORS, POOLING_CONNECTORS
+from forge.model.vlm.connector import POOLING_CONNECTORS
 from forge.parallel.env import read_dist_env
 from forge.resilience.preemption import CATCHABLE_SIGNALS
 
@@ -96,7 +85,6 @@ def validate_model(model: DictConfig) -> None:
     validate_mla(model)
     moe = model.get("moe")
     if moe is not None:
-        _one_of("model.moe.router", moe.router, ROUTER_KINDS)
         _require(moe.num_experts > 0, f"model.moe.num_experts={moe.num_experts} must be positive")
         _require(
             0 < moe.top_k <= moe.num_experts,
@@ -104,14 +92,12 @@ def validate_model(model: DictConfig) -> None:
         )
         _require(moe.every >= 1, f"model.moe.every={moe.every} must be at least 1")
         _require(moe.capacity_factor >= 0, f"model.moe.capacity_factor={moe.capacity_factor} must be >= 0")
-        _one_of("model.moe.aux_loss_scope", moe.aux_loss_scope, AUX_LOSS_SCOPES)
 
 
 def validate_mla(model: DictConfig) -> None:
     """model.attention_kind, and under mla the latent widths. A preset's n_kv_heads and head_dim do not apply to
     latent attention (its widths are model.mla's) and are left as they are; q/k norms are refused."""
     kind = model.get("attention_kind", "gqa")
-    _one_of("model.attention_kind", kind, ATTENTION_KINDS)
     if kind != "mla":
         return
     mla = model.mla
@@ -129,8 +115,6 @@ def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
     from forge.checkpoint.layout import MAX_STEP
 
     train = cfg.train
-    _one_of("train.dtype", train.dtype, COMPUTE_DTYPES)
-    _one_of("train.device", train.device, DEVICES)
     if train.device == "cuda":
         _require(torch.cuda.is_available(), "train.device=cuda but no CUDA device is available")
     for key in ("steps", "seq_len", "global_batch_size", "log_every", "eval_batches"):
@@ -243,11 +227,6 @@ def validate_world_size(parallel: DictConfig) -> None:
 
 def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
     parallel, model = cfg.parallel, cfg.model
-    _one_of("parallel.activation_checkpoint", parallel.activation_checkpoint, ACTIVATION_CHECKPOINT_MODES)
-    _one_of("parallel.pp_schedule", parallel.pp_schedule, PP_SCHEDULES)
-    if parallel.get("param_dtype") is not None:
-        _one_of("parallel.param_dtype", parallel.param_dtype, MIXED_PRECISION_DTYPES)
-    _one_of("parallel.reduce_dtype", parallel.get("reduce_dtype", "fp32"), MIXED_PRECISION_DTYPES)
     kv = model.n_kv_heads or model.n_heads
     _require(
         model.n_heads % degrees.tp == 0 and kv % degrees.tp == 0,
@@ -399,21 +378,18 @@ def validate_optimizer_and_schedule(cfg: DictConfig) -> None:
 
 
 def validate_metrics(cfg: DictConfig) -> None:
-    from forge.metrics.logger import CONSOLE_MODES
-    from forge.metrics.trackers.base import TRACKER_NAMES
-
-    _one_of("metrics.console", cfg.metrics.console, CONSOLE_MODES)
+    """Each name in metrics.trackers is a tracker of metrics.tracker_configs, with a `_target_`."""
+    known = tuple(cfg.metrics.tracker_configs)
     for name in cfg.metrics.trackers:
-        _one_of("metrics.trackers", name, tuple(TRACKER_NAMES))
+        _one_of("metrics.trackers", name, known)
+        _require(
+            bool(cfg.metrics.tracker_configs[name].get("_target_")),
+            f"metrics.tracker_configs.{name} has no _target_ (the tracker class to build)",
+        )
 
 
 def validate_checkpoint(cfg: DictConfig) -> None:
-    from forge.checkpoint.run_lock import RUN_LOCK_MODES
-
     ckpt = cfg.checkpoint
-    _one_of("checkpoint.async_mode", ckpt.async_mode, ASYNC_MODES)
-    _one_of("checkpoint.on_save_error", ckpt.on_save_error, SAVE_ERROR_POLICIES)
-    _one_of("checkpoint.run_lock", ckpt.run_lock, RUN_LOCK_MODES)
     _require(ckpt.run_lock_timeout_s >= 0, f"checkpoint.run_lock_timeout_s={ckpt.run_lock_timeout_s} must be >= 0")
     _require(ckpt.interval >= 0, f"checkpoint.interval={ckpt.interval} must be >= 0")
     _require(ckpt.keep_last_n >= 1, f"checkpoint.keep_last_n={ckpt.keep_last_n} must be at least 1")
@@ -456,10 +432,7 @@ def validate_warm_start_source(source: str) -> None:
 
 
 def validate_resilience(cfg: DictConfig) -> None:
-    from forge.resilience.nonfinite import POLICIES
-
     res = cfg.resilience
-    _one_of("resilience.nonfinite_policy", res.nonfinite_policy, POLICIES)
     for name in res.preemption_signals:
         _require(name in CATCHABLE_SIGNALS, f"resilience.preemption_signals has {name!r}")
     if res.nonfinite_policy == "rollback":
@@ -501,11 +474,9 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
         cfg.model.get("attention_kind", "gqa") == "gqa",
         "model.attention_kind=mla is not supported with a VLM (its decoders build grouped-query attention)",
     )
-    _one_of("vlm.connector", vlm.connector, CONNECTORS)
     if vlm.connector in POOLING_CONNECTORS:
         tokens = vlm.connector_tokens
         _require(tokens is not None and tokens >= 1, f"vlm.connector={vlm.connector} needs vlm.connector_tokens >= 1")
-    _one_of("data.on_bad_media", cfg.data.on_bad_media, BAD_MEDIA_POLICIES)
     _require(
         cfg.data.max_frames >= cfg.data.min_frames >= 1,
         f"data.max_frames={cfg.data.max_frames} >= data.min_frames={cfg.data.min_frames} >= 1 must hold",
@@ -554,7 +525,6 @@ def validate_loss(cfg: DictConfig, degrees: Degrees) -> None:
 def validate_attention(cfg: DictConfig, degrees: Degrees) -> None:
     """model.attention and model.sliding_window (forge.model.attention), and the paths that cannot carry them."""
     model = cfg.model
-    _one_of("model.attention", model.attention, ATTENTION_BACKENDS)
     window = model.sliding_window
     pattern = list(window) if OmegaConf.is_list(window) else [window]
     _require(

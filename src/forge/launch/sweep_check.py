@@ -8,10 +8,11 @@ expands the sweep as Hydra's basic sweeper will, composes each point and runs fo
 import sys
 from typing import Any
 
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from forge.config.errors import ConfigError
+from forge.config.errors import ConfigError, composition_message
 
 EXIT_CONFIG_ERROR = 2
 
@@ -41,7 +42,9 @@ def check_sweep(config: DictConfig) -> None:
             validate(cfg, world_size=cfg.parallel.world_size or world)
         except ConfigError as err:
             raise ConfigError(f"sweep point {' '.join(point)}: {err}") from None
-        except Exception as err:  # noqa: BLE001 - a point Hydra cannot compose: one line as well
+        except HydraException as err:  # a point Hydra cannot compose: one line as well
+            raise ConfigError(f"sweep point {' '.join(point)}: {composition_message(err)}") from None
+        except Exception as err:  # noqa: BLE001 - whatever else stops a point: one line as well
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(f"sweep point {' '.join(point)}: {reason}") from None
 

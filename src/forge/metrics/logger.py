@@ -9,11 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from forge.config.schema import ConsoleMode
 from forge.metrics.trackers import Tracker, build_trackers
 
 log = logging.getLogger("forge")
-
-CONSOLE_MODES = ("line", "quiet")
 
 
 def format_duration(seconds: float) -> str:
@@ -50,8 +49,8 @@ class MetricsLogger:
         smoothing: float = 0.9,
         trackers: Sequence[Tracker] = (),
     ):
-        if console not in CONSOLE_MODES:
-            raise ValueError(f"metrics.console={console!r} is not one of {CONSOLE_MODES}")
+        if console not in tuple(ConsoleMode):
+            raise ValueError(f"metrics.console={console!r} is not one of {', '.join(ConsoleMode)}")
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")

@@ -1,6 +1,7 @@
 """Arguments of the Llama-style decoder. Plain dataclasses: the config schema extends them."""
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 
@@ -16,6 +17,21 @@ class RopeScalingArgs:
     """Wavelengths shorter than original_max_seq_len / high_freq_factor are kept."""
     original_max_seq_len: int = 8192
     """Context length the base model was trained with."""
+
+
+class RouterKind(StrEnum):
+    """MoEArgs.router's choices (forge.model.moe.router)."""
+
+    softmax_topk = "softmax_topk"
+    sigmoid_topk = "sigmoid_topk"
+
+
+class AuxLossScope(StrEnum):
+    """MoEArgs.aux_loss_scope's choices (forge.model.moe.layer)."""
+
+    micro_batch = "micro_batch"
+    sequence = "sequence"
+    global_batch = "global_batch"
 
 
 @dataclass
@@ -34,7 +50,7 @@ class MoEArgs:
     """An MoE layer in every k-th block (block i is MoE when (i + 1) % every == 0)."""
     capacity_factor: float = 0.0
     """Tokens per expert allowed as a multiple of the even share; 0 is dropless."""
-    router: str = "softmax_topk"
+    router: RouterKind = RouterKind.softmax_topk
     """Router kind: softmax_topk (aux-loss balanced) or sigmoid_topk (aux-loss-free bias balancing)."""
     aux_loss_coef: float = 0.01
     """Weight of the Switch-style load-balancing loss (softmax router). The loss scores 1 for a perfectly even
@@ -44,7 +60,7 @@ class MoEArgs:
     """Weight of the router z-loss."""
     bias_update_rate: float = 0.001
     """Step size of the per-expert bias update (sigmoid router): bias += rate * sign(mean load - load) per step."""
-    aux_loss_scope: str = "micro_batch"
+    aux_loss_scope: AuxLossScope = AuxLossScope.micro_batch
     """Tokens the load-balancing loss averages over: micro_batch (Switch, each rank's micro-batch), sequence
     (DeepSeek-V3's per-sequence loss, averaged over the sequences) or global_batch (the expert loads of the
     micro-batches all data-parallel ranks run at once are summed, so the ranks' mean loss equals one process's
@@ -54,11 +70,18 @@ class MoEArgs:
     of one matmul chain per expert."""
 
 
-ATTENTION_BACKENDS = ("sdpa", "flex")
-"""TransformerArgs.attention's choices (forge.model.attention runs them)."""
+class AttentionBackend(StrEnum):
+    """TransformerArgs.attention's choices (forge.model.attention runs them)."""
 
-ATTENTION_KINDS = ("gqa", "mla")
-"""TransformerArgs.attention_kind's choices: grouped-query attention, or DeepSeek's multi-head latent attention."""
+    sdpa = "sdpa"
+    flex = "flex"
+
+
+class AttentionKind(StrEnum):
+    """TransformerArgs.attention_kind's choices: grouped-query attention, or DeepSeek's multi-head latent attention."""
+
+    gqa = "gqa"
+    mla = "mla"
 
 
 @dataclass
@@ -119,12 +142,12 @@ class TransformerArgs:
     """Scale the std of output projections (wo, w2) by 1/sqrt(2 * n_layers)."""
     moe: Optional[MoEArgs] = None
     """None for a dense model, else the mixture-of-experts settings."""
-    attention: str = "sdpa"
+    attention: AttentionBackend = AttentionBackend.sdpa
     """Attention kernel: sdpa (dense boolean masks for documents and windows) or flex (FlexAttention over a block
     sparse BlockMask, compiled: no (seq, seq) mask, masked-out blocks skipped). torch 2.13 has no flex backward on
     CPU: training there runs flex's unfused reference (slow, (seq, seq) scores per head); CPU evaluation and CUDA
     run the compiled kernel. Generation with a KV cache runs SDPA either way; VLMs take sdpa only."""
-    attention_kind: str = "gqa"
+    attention_kind: AttentionKind = AttentionKind.gqa
     """gqa: grouped-query attention (n_heads, n_kv_heads, head_dim); mla: multi-head latent attention with the
     widths of `mla` (DeepSeek-V2 / V3; n_kv_heads and head_dim then do not apply)."""
     mla: MLAArgs = field(default_factory=MLAArgs)

@@ -30,12 +30,12 @@ from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
 from forge.config.degrees import Degrees
-from forge.config.schema import PP_SCHEDULES
+from forge.config.schema import PPSchedule
 from forge.model.transformer import Transformer
 from forge.parallel.applied import Applied, logged
 from forge.parallel.init import materialize_sharded
 
-SCHEDULES = dict(zip(PP_SCHEDULES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B), strict=True))
+SCHEDULES = dict(zip(map(str, PPSchedule), (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B), strict=True))
 
 
 class ReducingStage(PipelineStage):

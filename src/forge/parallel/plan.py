@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from forge.config.degrees import Degrees
-from forge.config.schema import ACTIVATION_CHECKPOINT_MODES
+from forge.config.schema import ActivationCheckpoint
 from forge.model.moe import moe_layers
 from forge.parallel.applied import Applied, logged
 from forge.parallel.context_parallel import apply_context_parallel
@@ -148,7 +148,7 @@ def checkpoint_options(mode: str) -> dict:
     if mode == "selective":
         return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
     if mode != "full":
-        choices = ", ".join(ACTIVATION_CHECKPOINT_MODES)
+        choices = ", ".join(ActivationCheckpoint)
         raise ValueError(f"parallel.activation_checkpoint={mode!r} is not one of {choices}")
     return {}
 

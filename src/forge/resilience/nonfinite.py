@@ -7,8 +7,6 @@ import torch.distributed as dist
 
 log = logging.getLogger("forge")
 
-POLICIES = ("warn", "skip", "raise", "rollback")
-
 
 class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient norm under the raise policy, or after the rollback budget is spent."""

@@ -6,7 +6,7 @@ A layout here is only a candidate: forge.config.validate (the same checks as a r
 
 from collections.abc import Iterator
 
-from forge.config.schema import ACTIVATION_CHECKPOINT_MODES, PP_SCHEDULES
+from forge.config.schema import ActivationCheckpoint, PPSchedule
 from forge.parallel.pipeline import stages_per_rank
 from forge.search.cost import Layout
 
@@ -57,11 +57,11 @@ def context_degrees(args, ranks: int, pp: int, per_node: int, seq_len: int | Non
 
 
 def _with_schedules(args, dp_replicate, dp_shard, tp, pp, ep, micro, cp=1) -> Iterator[Layout]:
-    for mode in ACTIVATION_CHECKPOINT_MODES:
+    for mode in (m.value for m in ActivationCheckpoint):
         if pp == 1:
             yield Layout(dp_replicate, dp_shard, tp, pp, ep, mode, micro, cp=cp)
             continue
-        for schedule in PP_SCHEDULES:
+        for schedule in (s.value for s in PPSchedule):
             if args.n_layers % (pp * stages_per_rank(schedule)):
                 continue
             for chunks in (pp, 2 * pp, 4 * pp):

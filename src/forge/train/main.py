@@ -1,15 +1,17 @@
 """`forge-train`: compose the config with Hydra, validate it, train."""
 
 import logging
+import os
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
+from hydra.errors import ConfigCompositionException, InstantiationException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
 from forge.config import ConfigError, conf_dir, register_schemas, validate
+from forge.config.errors import composition_message
 from forge.config.help import field_help
 from forge.data.sources import DataError
 from forge.train.plan_report import take_plan_flag
@@ -139,7 +141,14 @@ def main() -> None:
     register_schemas()
     if not OmegaConf.has_resolver("forge_field_help"):
         OmegaConf.register_new_resolver("forge_field_help", field_help)
-    hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")(_task)()
+    # Hydra prints what it cannot compose over several lines and exits 1; with HYDRA_FULL_ERROR it raises, and the
+    # error becomes one line and exit 2 like the validation pass's (any other exception is raised as it was).
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")(_task)()
+    except (ConfigCompositionException, OverrideParseException) as err:
+        print(f"forge-train: invalid config: {composition_message(err)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from forge.config.schema import BadMediaPolicy
 from forge.data.order import EpochOrder
 from forge.data.vlm.media import MediaError, decode_frames, frame_times, load_image
 
 log = logging.getLogger(__name__)
-
-BAD_MEDIA_POLICIES = ("skip", "error")
 
 
 @dataclass(frozen=True)
@@ -90,8 +89,8 @@ class VLMCorpus:
         on_bad_media: str,
         media_cache_mb: int = 512,
     ):
-        if on_bad_media not in BAD_MEDIA_POLICIES:
-            raise ValueError(f"data.on_bad_media={on_bad_media!r} is not one of {', '.join(BAD_MEDIA_POLICIES)}")
+        if on_bad_media not in tuple(BadMediaPolicy):
+            raise ValueError(f"data.on_bad_media={on_bad_media!r} is not one of {', '.join(BadMediaPolicy)}")
         if not train or not val:
             raise ValueError(f"the data has {len(train)} training and {len(val)} validation records; both need some")
         if tokenizer.get_vocab_size() > vocab_size:

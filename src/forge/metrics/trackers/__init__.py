@@ -1,5 +1,5 @@
 """Optional experiment trackers behind MetricsLogger: TensorBoard, Weights & Biases, MLflow (rank 0 only)."""
 
-from forge.metrics.trackers.base import TRACKER_NAMES, Tracker, build_trackers
+from forge.metrics.trackers.base import Tracker, build_trackers
 
-__all__ = ["TRACKER_NAMES", "Tracker", "build_trackers"]
+__all__ = ["Tracker", "build_trackers"]

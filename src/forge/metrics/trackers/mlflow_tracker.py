@@ -1,4 +1,4 @@
-"""MLflow through MlflowClient; a local file store in run_dir/mlruns unless metrics.mlflow_tracking_uri is set.
+"""MLflow through MlflowClient; a local file store in run_dir/mlruns unless its tracking_uri is set.
 
 MLflow 3 keeps the file store in maintenance mode and refuses it unless MLFLOW_ALLOW_FILE_STORE is set; we set it
 (for file: URIs only) because a file store needs no database packages and no server.
@@ -7,7 +7,6 @@ MLflow 3 keeps the file store in maintenance mode and refuses it unless MLFLOW_A
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
@@ -32,15 +31,24 @@ class MlflowTracker:
 
     name = "mlflow"
 
-    def __init__(self, cfg: Any, run_dir: Path, run_id: str | None, config: dict | None):
-        uri = cfg.mlflow_tracking_uri or (Path(run_dir) / "mlruns").resolve().as_uri()
+    def __init__(
+        self,
+        tracking_uri: str | None,
+        *,
+        run_dir: Path,
+        run_id: str | None,
+        config: dict | None,
+        project: str,
+        run_name: str | None,
+    ):
+        uri = tracking_uri or (Path(run_dir) / "mlruns").resolve().as_uri()
         if uri.startswith("file:"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         if run_id is None:
-            experiment = self.client.get_experiment_by_name(cfg.project)
-            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.project)
-            run = self.client.create_run(experiment_id, run_name=cfg.run_name)
+            experiment = self.client.get_experiment_by_name(project)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
+            run = self.client.create_run(experiment_id, run_name=run_name)
             run_id = run.info.run_id
             if config:
                 params = [Param(k, v) for k, v in flatten(config).items()]

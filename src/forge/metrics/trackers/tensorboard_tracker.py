@@ -1,7 +1,6 @@
 """TensorBoard event files through torch's SummaryWriter."""
 
 from pathlib import Path
-from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
 
@@ -9,13 +8,22 @@ from forge.metrics.trackers.base import numeric
 
 
 class TensorBoardTracker:
-    """Scalars under run_dir/metrics.tensorboard_dir; TensorBoard has no run id to resume (it appends to the folder)."""
+    """Scalars under run_dir/log_dir; TensorBoard has no run id to resume (it appends to the folder)."""
 
     name = "tensorboard"
     run_id: str | None = None
 
-    def __init__(self, cfg: Any, run_dir: Path, run_id: str | None, config: dict | None):
-        self.writer = SummaryWriter(log_dir=str(run_dir / cfg.tensorboard_dir))
+    def __init__(
+        self,
+        log_dir: str,
+        *,
+        run_dir: Path,
+        run_id: str | None,
+        config: dict | None,
+        project: str,
+        run_name: str | None,
+    ):
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / log_dir))
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in numeric(values).items():

@@ -1,7 +1,6 @@
 """Weights & Biases; offline by default (sync later with `wandb sync RUN_DIR/wandb/offline-run-*`)."""
 
 from pathlib import Path
-from typing import Any
 
 import wandb
 
@@ -13,14 +12,24 @@ class WandbTracker:
 
     name = "wandb"
 
-    def __init__(self, cfg: Any, run_dir: Path, run_id: str | None, config: dict | None):
+    def __init__(
+        self,
+        mode: str,
+        entity: str | None,
+        *,
+        run_dir: Path,
+        run_id: str | None,
+        config: dict | None,
+        project: str,
+        run_name: str | None,
+    ):
         self.run = wandb.init(
-            project=cfg.project,
-            entity=cfg.wandb_entity,
-            name=cfg.run_name,
+            project=project,
+            entity=entity,
+            name=run_name,
             id=run_id,
             resume="allow" if run_id else None,
-            mode=cfg.wandb_mode,
+            mode=str(mode),
             dir=str(run_dir),
             config=config,
             settings=wandb.Settings(console="off", silent=True),

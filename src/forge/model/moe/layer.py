@@ -5,15 +5,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from forge.model.args import MoEArgs
+from forge.model.args import AuxLossScope, MoEArgs
 from forge.model.feed_forward import FeedForward
 from forge.model.init_spec import InitSpec, prefixed
 from forge.model.moe.dispatch import Dispatch, assign, local_dispatch
 from forge.model.moe.experts import GroupedExperts
 from forge.model.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
 from forge.model.moe.router import Router
-
-AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global_batch")
 
 LoadReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a per-expert count tensor over the data-parallel ranks (installed by forge.parallel for global_batch)."""
@@ -31,8 +29,8 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, args: MoEArgs):
         super().__init__()
-        if args.aux_loss_scope not in AUX_LOSS_SCOPES:
-            raise ValueError(f"moe.aux_loss_scope={args.aux_loss_scope!r} is not one of {AUX_LOSS_SCOPES}")
+        if args.aux_loss_scope not in tuple(AuxLossScope):
+            raise ValueError(f"moe.aux_loss_scope={args.aux_loss_scope!r} is not one of {', '.join(AuxLossScope)}")
         self.args = args
         self.router = Router(dim, args.num_experts, args.top_k, args.router)
         self.experts = GroupedExperts(dim, hidden, args.num_experts, args.grouped_mm)

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from forge.model.args import RouterKind
 from forge.model.init_spec import ZEROS, InitSpec, apply_specs, trunc_normal
-
-ROUTER_KINDS = ("softmax_topk", "sigmoid_topk")
 
 
 @dataclass
@@ -36,12 +35,12 @@ class Routing:
 
 
 class Router(nn.Module):
-    """Linear gate plus top-k selection; `kind` is one of ROUTER_KINDS."""
+    """Linear gate plus top-k selection; `kind` is a RouterKind."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, kind: str):
         super().__init__()
-        if kind not in ROUTER_KINDS:
-            raise ValueError(f"router kind {kind!r} is not one of {ROUTER_KINDS}")
+        if kind not in tuple(RouterKind):
+            raise ValueError(f"router kind {kind!r} is not one of {', '.join(RouterKind)}")
         self.kind, self.top_k = kind, top_k
         self.gate = nn.Linear(dim, num_experts, bias=False)
         # Selection-only bias of the sigmoid router: state (checkpointed), not a parameter (no gradient).
