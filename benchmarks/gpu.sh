@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tokens/s and MFU on one GPU (prepared for an H200), a few minutes in all, one table at the end:
-#   1. a ~1B dense Llama (conf/model/llama3_1b.yaml), bf16 + per-block torch.compile
+#   1. a ~1B dense Llama (conf/model/llama3_1b.yaml), bf16 + per-block torch.compile; the layout search's
+#      predicted step time for it beside the measured one (benchmarks/search/predict_one_gpu.py)
 #   2. the same with float8 linear layers (parallel.fp8=true, needs torchao; skipped without it)
 #   3. a small DeepSeek-V3-style MoE (conf/model/deepseek_v3_small.yaml), bf16, eager
 #   4. (CHUNKED=1) row 1 with loss=chunked_cross_entropy: the 128k-vocab logits never held at once
@@ -114,6 +115,9 @@ run() {
 
 failed=0
 run dense_bf16_compile "${DENSE[@]}" || failed=1
+# The layout search's prediction for this run (issue 23), beside its measured step time.
+"$PY" -m benchmarks.search.predict_one_gpu "$OUT/dense_bf16_compile/metrics.jsonl" "${DENSE[@]}" "${COMMON[@]}" \
+    | tee "$OUT/search_prediction.txt" | sed 's/^/    /' || failed=1
 if [ "$DRY_RUN" = 1 ] || "$PY" -c "import torchao" 2>/dev/null; then
     run dense_fp8_compile "${DENSE[@]}" parallel.fp8=true || failed=1
 else

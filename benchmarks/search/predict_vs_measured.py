@@ -5,9 +5,11 @@ few steps, its median step time and peak host memory beside the cost model's pre
     python benchmarks/search/predict_vs_measured.py --profile calib/device_profile.json
 
 Prints one row per layout, the Spearman correlation of predicted and measured step times, and each layout's
-predicted / measured memory. Memory on a CPU is host RSS, which holds the interpreter, torch and the data as well
-as the model's state: both sides are taken as the difference from the same layout with a tiny model (dim 32),
-so that what is compared is what the model adds. The CPU flags it ran with are printed first.
+predicted / measured peak memory per rank. Measured memory is the highest peak of live tensor bytes over the ranks,
+as torch's CPU allocator reports it to the profiler (benchmarks/search/rank_memory.py, a run of its own since
+recording every allocation slows the steps): the CPU counterpart of torch.cuda.max_memory_allocated, without the
+interpreter, glibc's retained heap or the data, which the process RSS also holds. The CPU flags it ran with are
+printed first.
 """
 
 import argparse
@@ -28,7 +30,6 @@ from forge.search.settings import SearchSettings  # noqa: E402
 from forge.train import build  # noqa: E402
 
 MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.ffn_dim=768", "train.seq_len=128"]
-TINY_MODEL = ["model.dim=32", "model.n_layers=4", "model.n_heads=8", "model.ffn_dim=64", "train.seq_len=128"]
 RUN = ["train.global_batch_size=16", "train.dtype=fp32", "train.log_every=1", "train.eval_every=0",
        "train.eval_batches=1", "metrics.console=quiet", "checkpoint.interval=0", "train.threads=1"]  # fmt: skip
 
@@ -55,21 +56,29 @@ def cpu_flags() -> str:
     return ", ".join(flags) or "none of avx512_bf16 / amx_bf16"
 
 
-def torchrun(ranks: int, args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m",
-           "forge.train", *args, f"hydra.run.dir={run_dir}"]  # fmt: skip
+def torchrun(ranks: int, args: list[str], run_dir: Path, script: list[str] | None = None):
+    """forge-train (or `script`) on `ranks` local processes."""
+    target = script or ["-m", "forge.train", *args, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *target]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
 def measure(ranks: int, overrides: list[str], steps: int) -> tuple[float, float]:
-    """(median step seconds after the first, rank 0's peak RSS in GiB) of a short run."""
+    """(median step seconds after the first, the highest peak of live tensor bytes over the ranks) of two short
+    runs of the same layout: one timed, one under the profiler's memory recording."""
     with tempfile.TemporaryDirectory() as tmp:
         proc = torchrun(ranks, [*overrides, f"train.steps={steps}"], Path(tmp))
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
         records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-    steps_ = [r for r in records if "step_time" in r]
-    return statistics.median(r["step_time"] for r in steps_[1:]), max(r["mem_rss_peak_gib"] for r in steps_)
+    timed = [r for r in records if "step_time" in r]
+    with tempfile.TemporaryDirectory() as tmp:
+        script = [str(ROOT / "benchmarks" / "search" / "rank_memory.py"), tmp, *overrides, "train.steps=2"]
+        proc = torchrun(ranks, [], Path(tmp), script)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-3000:])
+        peak = max(json.loads(f.read_text())["peak_bytes"] for f in Path(tmp).glob("rank*.json"))
+    return statistics.median(r["step_time"] for r in timed[1:]), peak
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -105,15 +114,11 @@ def main() -> int:
     rows = []
     for name, layout in layouts(args.ranks).items():
         cfg = compose([*MODEL, *RUN, *layout.overrides(), f"parallel.world_size={args.ranks}"])
-        tiny = compose([*TINY_MODEL, *RUN, *layout.overrides(), f"parallel.world_size={args.ranks}"])
         predicted = predict(layout, ModelShape.of(build.build_meta_model(cfg)), cfg.train, device, settings, "fp32")
-        predicted_tiny = predict(layout, ModelShape.of(build.build_meta_model(tiny)), tiny.train, device, settings,
-                                 "fp32")  # fmt: skip
-        seconds, rss = measure(args.ranks, [*MODEL, *RUN, *layout.overrides()], args.steps)
-        _, rss_tiny = measure(args.ranks, [*TINY_MODEL, *RUN, *layout.overrides()], args.steps)
-        rows.append((name, predicted.step, seconds, (predicted.memory - predicted_tiny.memory) / GIB, rss - rss_tiny))
-        print(f"{name:<20} predicted {predicted.step:7.3f} s  measured {seconds:7.3f} s  | model memory predicted "
-              f"{rows[-1][3]:.3f} GiB, measured {rows[-1][4]:.3f} GiB", flush=True)  # fmt: skip
+        seconds, peak = measure(args.ranks, [*MODEL, *RUN, *layout.overrides()], args.steps)
+        rows.append((name, predicted.step, seconds, predicted.memory / GIB, peak / GIB))
+        print(f"{name:<20} predicted {predicted.step:7.3f} s  measured {seconds:7.3f} s  | peak memory per rank "
+              f"predicted {rows[-1][3]:.3f} GiB, measured {rows[-1][4]:.3f} GiB", flush=True)  # fmt: skip
     rho = spearman([r[1] for r in rows], [r[2] for r in rows])
     print(f"Spearman (predicted vs measured step time, {len(rows)} layouts): {rho:.2f}")
     for name, _, _, mem_p, mem_m in rows:

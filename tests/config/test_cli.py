@@ -112,3 +112,17 @@ def test_plan_refuses_a_world_size_of_zero(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "parallel.world_size=0 must be at least 1" in lines[0], lines
     assert "Traceback" not in result.stderr and "plan for" not in result.stdout
+
+
+def test_a_choice_its_enum_does_not_have_is_one_line_and_exit_2(tmp_path):
+    """Refused at composition (an Enum field), printed like the validation pass's refusals, not as Hydra's four
+    lines and exit 1; a wrong type the same way."""
+    for override, expected in (
+        ("parallel.activation_checkpoint=some", "parallel.activation_checkpoint='some' is not one of none, full"),
+        ("train.steps=abc", "train.steps='abc': Value 'abc' of type 'str' could not be converted to Integer"),
+    ):
+        result = run_cli(tmp_path, override)
+        assert result.returncode == 2, result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("forge-train: invalid config: ") and expected in lines[0], lines
+        assert not (tmp_path / "run").exists()

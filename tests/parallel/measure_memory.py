@@ -10,21 +10,10 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from forge.config.degrees import Degrees
+from forge.metrics.memory import peak_live_tensor_bytes
 from forge.model import TransformerArgs
 from forge.model.transformer import build_transformer
 from forge.train.plan_report import estimate_memory
-
-
-def peak_live_bytes(prof: profile) -> int:
-    """The running sum of the profiler's allocation (+) and free (-) events, at its highest."""
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-    )
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def main() -> None:
@@ -43,7 +32,7 @@ def main() -> None:
     n = sum(p.numel() for p in model.parameters())
     mem = estimate_memory(args, Degrees(1, 1, 1, 1, 1), n, args.n_layers, True, batch, seq, 1.0, 4)
     print(f"params {n} acts_est {mem.activations / 2**20:.1f} MiB", file=sys.stderr)
-    print(peak_live_bytes(prof), int(mem.peak(False)))
+    print(peak_live_tensor_bytes(prof), int(mem.peak(False)))
 
 
 if __name__ == "__main__":

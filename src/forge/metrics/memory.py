@@ -30,3 +30,15 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
             "mem_reserved_gib": torch.cuda.memory_reserved(device) / GIB,
         }
     return {"mem_rss_gib": rss_bytes() / GIB, "mem_rss_peak_gib": peak_rss_bytes() / GIB}
+
+
+def peak_live_tensor_bytes(prof: torch.profiler.profile) -> int:
+    """The highest sum of live tensor bytes over a `profile(profile_memory=True)` window: the running sum of the
+    allocation (+) and free (-) events torch's CPU allocator reports, the CPU counterpart of max_memory_allocated.
+    Unlike the RSS it leaves out glibc's retained heap, so it is the same on every machine."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
