@@ -69,6 +69,9 @@ class MoEArgs:
     """Run the experts as grouped GEMMs (torch._grouped_mm; bf16 needs dim and expert size multiples of 8) instead
     of one matmul chain per expert."""
 
+    def __post_init__(self) -> None:
+        self.router, self.aux_loss_scope = str(self.router), str(self.aux_loss_scope)  # plain, as TransformerArgs'
+
 
 class AttentionBackend(StrEnum):
     """TransformerArgs.attention's choices (forge.model.attention runs them)."""
@@ -189,6 +192,9 @@ class TransformerArgs:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def __post_init__(self) -> None:
+        # Choices held as plain strings whichever way the args were made (a config's Enum members, the defaults):
+        # an HF config.json, a safe YAML file and a weights_only torch.load all take them.
+        self.attention, self.attention_kind = str(self.attention), str(self.attention_kind)
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScalingArgs(**self.rope_scaling)
         if isinstance(self.moe, dict):

@@ -21,9 +21,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def model_args(cfg: DictConfig) -> TransformerArgs:
-    """The model's arguments with its choices as plain strings (an Enum member's name is its value), as an HF
-    config, a torch.save'd checkpoint and safe YAML hold them."""
-    return instantiate(OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True), _convert_="all")
+    return instantiate(cfg.model, _convert_="all")
 
 
 def build_meta_model(cfg: DictConfig) -> Transformer:

@@ -9,8 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge.config.schema import Connector
-
 POOLING_CONNECTORS = ("avgpool", "attnpool")
 """Connectors that reduce an image's tokens to vlm.connector_tokens."""
 
@@ -76,7 +74,7 @@ def build_connector(kind: str, width: int, dim: int, tokens: int | None) -> nn.M
         if not tokens or tokens < 1:
             raise ValueError(f"vlm.connector={kind} needs vlm.connector_tokens >= 1 (got {tokens})")
         return AvgPoolConnector(width, dim, tokens) if kind == "avgpool" else AttnPoolConnector(width, dim, tokens)
-    raise ValueError(f"vlm.connector={kind!r} is not one of {', '.join(Connector)}")
+    raise ValueError(f"vlm.connector={kind!r} is not a connector (forge.config.schema.Connector lists them)")
 
 
 def init_connector(module: nn.Module, std: float = 0.02) -> None:
