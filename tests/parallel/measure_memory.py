@@ -30,7 +30,8 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
     n = sum(p.numel() for p in model.parameters())
-    mem = estimate_memory(args, Degrees(1, 1, 1, 1, 1), n, args.n_layers, True, batch, seq, 1.0, 4)
+    # one micro-batch per step: the gradients (set to None by zero_grad) are not there when the activations peak
+    mem = estimate_memory(args, Degrees(1, 1, 1, 1, 1), n, args.n_layers, True, batch, seq, 1.0, 4, grads_at_peak=False)
     print(f"params {n} acts_est {mem.activations / 2**20:.1f} MiB", file=sys.stderr)
     print(peak_live_tensor_bytes(prof), int(mem.peak(False)))
 

@@ -6,19 +6,25 @@ planned on a laptop in seconds. The transforms it lists are the records `paralle
 
 Peak memory per rank (bytes), with P the parameters this rank holds (its shards and stages):
 
-    params 4P (fp32 master weights) + grads 4P + AdamW 8P (exp_avg, exp_avg_sq)
+    params 4P (fp32 master weights) + AdamW 8P (exp_avg, exp_avg_sq)
     + FSDP gather buffers: 2 unsharded blocks (the one computing, the one prefetched) in the compute dtype
-    + activations: in-flight micro-batch tokens T = micro_batch_size x seq_len (x in-flight pipeline micro-batches)
-        no checkpointing:    T x [L_r x (7 d + 2 kv + 4 f) + head] x bytes / tp
-        full checkpointing:  T x [L_r x d + (7 d + 2 kv + 4 f) + head] x bytes / tp
-      where L_r are the rank's blocks, d the model width, kv the key/value width, f the MLP hidden width (in an
-      MoE block the hidden width each token passes through: expert size x (top_k + shared experts), averaged over
-      the blocks); a model.head_dim that sets the query width q apart from d counts 4 d + 3 q in place of 7 d,
-      head = 2 d + 4 V on the last stage (final norm input and output, the logits, their fp32 log-softmax, and
-      at the start of backward the gradients of both),
-      bytes = 2 under bf16 autocast, 4 in fp32. Per block, autograd keeps: the two norms' inputs and outputs (4 d),
-      q, k, v and the attention output for SDPA (2 d + 2 kv), the re-laid-out attention output fed to wo (d), and
-      the SwiGLU's w1, w3, silu outputs and their product (4 f). Selective checkpointing is estimated as none.
+    + grads 4P + activations when the gradients exist at the start of a backward (gradient accumulation, or a
+      1F1B pipeline); else the larger of the two (zero_grad sets them to None: they grow as the backward frees
+      the activations)
+    activations: in-flight micro-batch tokens T = micro_batch_size x seq_len (x in-flight pipeline micro-batches),
+      one pipeline chunk's tokens T_c (T without a pipeline)
+        no checkpointing:    T x (L_r x block + head) + T_c x 2 V
+        full checkpointing:  T x L_r x d / tp + max(T x head + T_c x 2 V, T_c x block + (T - T_c) x head)
+      times bytes, where block = (7 d + 2 kv + 4 f) / tp (+ 2 d under tp: the all-gathered inputs of the
+      attention and the MLP that their matmuls keep) and head = 2 d / tp (+ d under tp) + 2 V on the last stage
+      (final norm input and output, the logits, replicated under tp, and their fp32 log-softmax; a chunk's
+      backward starts with the gradients of both, the T_c x 2 V). L_r are the rank's blocks, d the model width,
+      kv the key/value width, f the MLP hidden width (in an MoE block the hidden width each token passes
+      through: expert size x (top_k + shared experts), averaged over the blocks); a model.head_dim that sets the
+      query width q apart from d counts 4 d + 3 q in place of 7 d; bytes = 2 under bf16 autocast, 4 in fp32. Per
+      block, autograd keeps: the two norms' inputs and outputs (4 d), q, k, v and the attention output for SDPA
+      (2 d + 2 kv), the re-laid-out attention output fed to wo (d), and the SwiGLU's w1, w3, silu outputs and
+      their product (4 f). Selective checkpointing is estimated as none.
     With context parallelism (cp > 1) T is the rank's seq_len / cp tokens, each block also keeps the other cp ranks'
     keys and values (+ 2 kv (cp - 1) per token). Under a dense mask (context parallelism, or document masking or
     a sliding window with SDPA) the boolean micro_batch_size x seq_len / cp x seq_len mask lives through the forward
@@ -64,10 +70,14 @@ class MemoryEstimate:
     gather_buffers: float
     activations: float
     activations_checkpointed: float
+    grads_at_peak: bool = True
+    """Gradients exist when the activations peak (at the start of a backward): from an earlier micro-batch or
+    pipeline chunk. Without, the gradients (set to None each step) grow as the backward frees activations."""
 
     def peak(self, checkpointed: bool) -> float:
         acts = self.activations_checkpointed if checkpointed else self.activations
-        return self.params + self.grads + self.optimizer + self.gather_buffers + acts
+        live = self.grads + acts if self.grads_at_peak else max(self.grads, acts)
+        return self.params + self.optimizer + self.gather_buffers + live
 
 
 def ffn_token_width(args) -> float:
@@ -144,23 +154,35 @@ def estimate_memory(
     act_bytes: int,
     deferred_sync: bool = False,
     dense_masks: bool = False,
+    grads_at_peak: bool = True,
+    chunks: int = 1,
 ) -> MemoryEstimate:
     """The peak memory of the module docstring's formula. `dense_masks`: attention runs SDPA under a boolean mask
     (document masking, or a sliding window, without flex), which SDPA keeps converted to the compute dtype per
-    block; context parallelism always does."""
-    cp = degrees.cp
+    block; context parallelism always does. `grads_at_peak`: see MemoryEstimate (forge.train.plan_report's
+    grads_at_peak tells it from the layout). `chunks`: the pipeline chunks of a micro-batch (a backward starts
+    with one chunk's gradients of the logits)."""
+    cp, tp = degrees.cp, degrees.tp
     tokens = micro_batch_size * seq_len * in_flight / cp
-    head = (2 * args.dim + 4 * args.vocab_size) if has_head else 0
+    chunk_tokens = micro_batch_size * seq_len / cp / chunks
+    gathered = 1 if tp > 1 else 0  # sequence parallel: each matmul keeps its all-gathered (whole) input
+    # the final norm's input and output, the logits (replicated under tp) and their log-softmax; a chunk's
+    # backward starts with the gradients of both
+    head = (2 * args.dim / tp + gathered * args.dim + 2 * args.vocab_size) if has_head else 0
+    head_grads = chunk_tokens * 2 * args.vocab_size if has_head else 0
     # context parallel: SDPA keeps the whole sequence's keys and values (cp x the rank's own)
-    block = block_activation_elems(args) + saved_kv_width(args) * (cp - 1)
+    block = (block_activation_elems(args) + saved_kv_width(args) * (cp - 1)) / tp + gathered * 2 * args.dim
     # a dense mask: the boolean (seq / cp x seq) mask per sample lives through the forward, and each block's SDPA
     # keeps a copy in the compute dtype (under full checkpointing only the recomputed block's)
     # one row per sample with documents or windows; without, the context-parallel mask is one row, broadcast
     rows = micro_batch_size * in_flight if dense_masks else 1
     sdpa = getattr(args, "attention", "sdpa") == "sdpa"  # flex's BlockMask is (seq / 128)^2 blocks: left out
     mask = rows * seq_len * seq_len / cp if sdpa and (dense_masks or cp > 1) else 0
-    full = tokens * (rank_blocks * block + head) * act_bytes / degrees.tp + mask * (1 + rank_blocks * act_bytes)
-    ckpt = tokens * (rank_blocks * args.dim + block + head) * act_bytes / degrees.tp + mask * (1 + act_bytes)
+    full = (tokens * (rank_blocks * block + head) + head_grads) * act_bytes + mask * (1 + rank_blocks * act_bytes)
+    # full checkpointing: each block's input, then the head's backward, or one chunk's recomputed block beside
+    # the other chunks' logits
+    later = max(tokens * head + head_grads, chunk_tokens * block + (tokens - chunk_tokens) * head)
+    ckpt = (tokens * rank_blocks * args.dim / tp + later) * act_bytes + mask * (1 + act_bytes)
     shard = degrees.fsdp_shard
     gather = 2 * block_gather_params(args, degrees) / degrees.tp * act_bytes if shard > 1 else 0
     grads = 4 * local_params
@@ -168,7 +190,14 @@ def estimate_memory(
         grads *= shard
         if degrees.pp > 1:
             gather = local_params * shard * act_bytes
-    return MemoryEstimate(4 * local_params, grads, 8 * local_params, gather, full, ckpt)
+    return MemoryEstimate(4 * local_params, grads, 8 * local_params, gather, full, ckpt, grads_at_peak)
+
+
+def grads_at_peak(micro_batches: int, pp: int, pp_schedule: str) -> bool:
+    """Whether gradients exist when the activations peak: an earlier micro-batch made them (gradient
+    accumulation), or a pipeline chunk's backward did before the next chunk's forward (1F1B; GPipe runs every
+    forward first)."""
+    return micro_batches > 1 or (pp > 1 and pp_schedule != "gpipe")
 
 
 def uses_dense_masks(cfg: DictConfig) -> bool:
@@ -261,7 +290,8 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
     )
 
     dtype = "bf16" if train.dtype in ("auto", "bf16") else "fp32"
-    in_flight = pipeline_in_flight(degrees.pp, parallel.pp_schedule, parallel.microbatches or degrees.pp)
+    chunks = (parallel.microbatches or degrees.pp) if degrees.pp > 1 else 1
+    in_flight = pipeline_in_flight(degrees.pp, parallel.pp_schedule, chunks)
     mem = estimate_memory(
         args,
         degrees,
@@ -274,6 +304,10 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         2 if dtype == "bf16" else 4,
         deferred_sync=parallel.get("defer_grad_sync") is True,
         dense_masks=uses_dense_masks(cfg),
+        grads_at_peak=grads_at_peak(
+            train.global_batch_size // (degrees.dp * train.micro_batch_size), degrees.pp, parallel.pp_schedule
+        ),
+        chunks=chunks,
     )
     checkpointed = parallel.activation_checkpoint == "full"
     lines.append(
