@@ -40,7 +40,9 @@ def train_under_the_profiler(overrides: list[str], root: str) -> int:
 def test_predicted_peak_memory_is_within_15_percent_of_the_ranks_measured_peak(name):
     layout = LAYOUTS[name]
     overrides = [*MODEL, *layout.overrides()]
-    measured = max(launch(train_under_the_profiler, 2, overrides, temp_root()))
+    # the highest of two runs: when FSDP's prefetched block meets the peak depends on the ranks' timing (the
+    # measured peak moves by up to 7 % between runs)
+    measured = max(max(launch(train_under_the_profiler, 2, overrides, temp_root())) for _ in range(2))
     cfg = compose([*overrides, "parallel.world_size=2"])
     shape = ModelShape.of(build.build_meta_model(cfg))
     predicted = predict(layout, shape, cfg.train, DEVICES["h100"], SearchSettings(), "fp32").memory

@@ -206,11 +206,12 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         params += shape.embedding if first or (last and args.tie_embeddings) else 0
         params += shape.head if last else 0
         local = params / layout.tp / shard
+        root = (params - sum(shape.block_params[b] for b in blocks)) / layout.tp  # FSDP's root unit, kept gathered
         in_flight = pipeline_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
         mem = estimate_memory(args, degrees, local, len(blocks), last, layout.micro_batch_size, seq, in_flight,
                               act_bytes, dense_masks=dense_masks,
                               grads_at_peak=grads_at_peak(n_micro, layout.pp, layout.pp_schedule),
-                              chunks=chunks)  # fmt: skip
+                              chunks=chunks, root_params=root)  # fmt: skip
         memory = mem.peak(layout.activation_checkpoint == "full")
         block_flops = per_block * len(blocks) * tokens_rank / layout.tp
         forward = block_flops + (flops.head * tokens_rank / layout.tp if last else 0)

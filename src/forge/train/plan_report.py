@@ -7,7 +7,9 @@ planned on a laptop in seconds. The transforms it lists are the records `paralle
 Peak memory per rank (bytes), with P the parameters this rank holds (its shards and stages):
 
     params 4P (fp32 master weights) + AdamW 8P (exp_avg, exp_avg_sq)
-    + FSDP gather buffers: 2 unsharded blocks (the one computing, the one prefetched) in the compute dtype
+    + FSDP gather buffers in the compute dtype: 2 unsharded blocks (the one computing, the one prefetched) and the
+      root unit's parameters (embedding, final norm, head), which FSDP keeps gathered from the forward to the end
+      of the backward
     + grads 4P + activations when the gradients exist at the start of a backward (gradient accumulation, or a
       1F1B pipeline); else the larger of the two (zero_grad sets them to None: they grow as the backward frees
       the activations)
@@ -156,12 +158,15 @@ def estimate_memory(
     dense_masks: bool = False,
     grads_at_peak: bool = True,
     chunks: int = 1,
+    root_params: float = 0.0,
 ) -> MemoryEstimate:
     """The peak memory of the module docstring's formula. `dense_masks`: attention runs SDPA under a boolean mask
     (document masking, or a sliding window, without flex), which SDPA keeps converted to the compute dtype per
     block; context parallelism always does. `grads_at_peak`: see MemoryEstimate (forge.train.plan_report's
     grads_at_peak tells it from the layout). `chunks`: the pipeline chunks of a micro-batch (a backward starts
-    with one chunk's gradients of the logits)."""
+    with one chunk's gradients of the logits). `root_params`: the parameters outside the blocks that this rank
+    holds, per tp rank (embedding, final norm, head): FSDP's root unit, which stays gathered from the forward to the
+    end of the backward."""
     cp, tp = degrees.cp, degrees.tp
     tokens = micro_batch_size * seq_len * in_flight / cp
     chunk_tokens = micro_batch_size * seq_len / cp / chunks
@@ -184,7 +189,7 @@ def estimate_memory(
     later = max(tokens * head + head_grads, chunk_tokens * block + (tokens - chunk_tokens) * head)
     ckpt = (tokens * rank_blocks * args.dim / tp + later) * act_bytes + mask * (1 + act_bytes)
     shard = degrees.fsdp_shard
-    gather = 2 * block_gather_params(args, degrees) / degrees.tp * act_bytes if shard > 1 else 0
+    gather = (2 * block_gather_params(args, degrees) / tp + root_params) * act_bytes if shard > 1 else 0
     grads = 4 * local_params
     if deferred_sync and shard > 1:
         grads *= shard
@@ -269,6 +274,11 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         local_experts = sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p))
         rank_blocks = sum(len(p.layers) for p in parts)
         has_head = any(p.output is not None for p in parts)
+        # global sizes of the parameters outside the blocks (embedding, final norm, head), per tp rank
+        outside = sum(
+            sum(t.numel() for t in p.parameters()) - sum(t.numel() for t in p.layers.parameters()) for p in parts
+        )
+        root_params = outside / degrees.tp
         if materialize:
             materialized = materialize_rank0(cfg, parts, degrees)
     lines.append("transforms, in order:")
@@ -308,6 +318,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
             train.global_batch_size // (degrees.dp * train.micro_batch_size), degrees.pp, parallel.pp_schedule
         ),
         chunks=chunks,
+        root_params=root_params,
     )
     checkpointed = parallel.activation_checkpoint == "full"
     lines.append(
