@@ -39,6 +39,16 @@ CASES = [
     (["scheduler=wsd", "scheduler.decay_fraction=0"], 1, ["scheduler.decay_fraction=0"]),
     (["metrics.trackers=[tensorbord]"], 1, ["metrics.trackers='tensorbord'", "tensorboard"]),
     (["metrics.console=fancy"], 1, ["metrics.console='fancy'"]),
+    (
+        ["+metrics.tracker_configs.mine={_target_:no.such.Tracker}", "metrics.trackers=[mine]"],
+        1,
+        ["metrics.tracker_configs.mine._target_='no.such.Tracker' cannot be imported: No module named 'no'"],
+    ),
+    (
+        ["+metrics.tracker_configs.mine={_target_:forge.metrics.logger.MetricsLogger}", "metrics.trackers=[mine]"],
+        1,
+        ["does not take the tracker keyword(s) run_id, config, project, run_name"],
+    ),
     (["data=memmap"], 1, ["not set: data.path (the folder forge-prepare-data wrote), data.vocab_size"]),
     (["data=memmap", "data.path=/x"], 1, ["data.vocab_size is not set and cannot be read from data.path=/x"]),
     (["data=hf"], 1, ["not set: data.dataset, data.vocab_size (the tokenizer's vocabulary size)"]),

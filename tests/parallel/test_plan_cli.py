@@ -185,3 +185,19 @@ def test_activation_estimate_matches_what_autograd_saves_under_latent_attention(
     n = sum(p.numel() for p in model.parameters())
     estimated = estimate_memory(args, Degrees(1, 1, 1, 1, 1), n, args.n_layers, True, batch, seq, 1.0, 4)
     assert estimated.activations == pytest.approx(measured, rel=0.15)
+
+
+def test_gradients_exist_at_the_activations_peak_only_after_a_backward():
+    """torch's schedules: 1F1B runs pp - rank warm-up forwards (all of them on rank 0 when chunks = pp), the
+    interleaved one (stages - 1) x pp + 2 (pp - 1 - rank) stage forwards, GPipe every forward first."""
+    from forge.train.plan_report import grads_at_peak
+
+    assert grads_at_peak(2, 1, "1f1b")  # gradient accumulation
+    assert not grads_at_peak(1, 1, "1f1b")
+    assert not grads_at_peak(1, 2, "gpipe", chunks=8)
+    assert not grads_at_peak(1, 2, "1f1b", chunks=2, pp_rank=0)
+    assert grads_at_peak(1, 2, "1f1b", chunks=2, pp_rank=1)
+    assert grads_at_peak(1, 2, "1f1b", chunks=4, pp_rank=0)
+    assert not grads_at_peak(1, 2, "interleaved_1f1b", chunks=2, pp_rank=0, stages=2)  # 4 warm-up of 4
+    assert grads_at_peak(1, 2, "interleaved_1f1b", chunks=2, pp_rank=1, stages=2)  # 2 warm-up of 4
+    assert grads_at_peak(1, 2, "interleaved_1f1b", chunks=4, pp_rank=0, stages=2)

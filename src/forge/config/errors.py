@@ -11,7 +11,9 @@ def composition_message(err: Exception) -> str:
     cause = err.__cause__
     key = getattr(cause, "full_key", None)
     if not key:
-        return " ".join(str(err).split())  # a missing option lists the available ones on lines of their own
+        message = " ".join(str(err).split())  # a missing option lists the available ones on lines of their own
+        override = getattr(err, "override", None)  # a grammar error names the override apart from its message
+        return f"{override}: {message}" if override else message
     reason = str(getattr(cause, "msg", cause)).strip().splitlines()[0]
     value = getattr(cause, "value", None)
     if value is None:

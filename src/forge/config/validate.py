@@ -377,15 +377,31 @@ def validate_optimizer_and_schedule(cfg: DictConfig) -> None:
         _require(0 < fraction <= 1, f"scheduler.decay_fraction={fraction} must be in (0, 1]")
 
 
+TRACKER_KEYWORDS = ("run_dir", "run_id", "config", "project", "run_name")
+"""What build_trackers passes every tracker besides its own options (forge.metrics.trackers.base.Tracker)."""
+
+
 def validate_metrics(cfg: DictConfig) -> None:
-    """Each name in metrics.trackers is a tracker of metrics.tracker_configs, with a `_target_`."""
+    """Each name in metrics.trackers is a tracker of metrics.tracker_configs whose `_target_` imports and takes
+    the trackers' keywords: refused here on every rank, not on rank 0 alone once the model is built."""
+    import importlib
+    import inspect
+
     known = tuple(cfg.metrics.tracker_configs)
     for name in cfg.metrics.trackers:
         _one_of("metrics.trackers", name, known)
-        _require(
-            bool(cfg.metrics.tracker_configs[name].get("_target_")),
-            f"metrics.tracker_configs.{name} has no _target_ (the tracker class to build)",
-        )
+        key = f"metrics.tracker_configs.{name}._target_"
+        target = cfg.metrics.tracker_configs[name].get("_target_")
+        _require(bool(target), f"{key} is not set (the tracker class to build)")
+        module, _, attribute = str(target).rpartition(".")
+        try:
+            parameters = inspect.signature(getattr(importlib.import_module(module), attribute)).parameters
+        except Exception as err:  # noqa: BLE001 - a missing module or class, or its import failing: one line
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"{key}={target!r} cannot be imported: {reason}") from None
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        missing = [k for k in TRACKER_KEYWORDS if k not in parameters and not takes_any]
+        _require(not missing, f"{key}={target!r} does not take the tracker keyword(s) {', '.join(missing)}")
 
 
 def validate_checkpoint(cfg: DictConfig) -> None:

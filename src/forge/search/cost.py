@@ -210,7 +210,8 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         in_flight = pipeline_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
         mem = estimate_memory(args, degrees, local, len(blocks), last, layout.micro_batch_size, seq, in_flight,
                               act_bytes, dense_masks=dense_masks,
-                              grads_at_peak=grads_at_peak(n_micro, layout.pp, layout.pp_schedule),
+                              grads_at_peak=grads_at_peak(n_micro, layout.pp, layout.pp_schedule, chunks, pp_rank,
+                                                          stages_per_rank(layout.pp_schedule)),
                               chunks=chunks, root_params=root)  # fmt: skip
         memory = mem.peak(layout.activation_checkpoint == "full")
         block_flops = per_block * len(blocks) * tokens_rank / layout.tp

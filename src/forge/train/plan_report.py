@@ -198,11 +198,21 @@ def estimate_memory(
     return MemoryEstimate(4 * local_params, grads, 8 * local_params, gather, full, ckpt, grads_at_peak)
 
 
-def grads_at_peak(micro_batches: int, pp: int, pp_schedule: str) -> bool:
+def grads_at_peak(
+    micro_batches: int, pp: int, pp_schedule: str, chunks: int = 1, pp_rank: int = 0, stages: int = 1
+) -> bool:
     """Whether gradients exist when the activations peak: an earlier micro-batch made them (gradient
-    accumulation), or a pipeline chunk's backward did before the next chunk's forward (1F1B; GPipe runs every
-    forward first)."""
-    return micro_batches > 1 or (pp > 1 and pp_schedule != "gpipe")
+    accumulation), or a pipeline chunk's backward did before a later chunk's forward. GPipe runs every forward
+    first; torch's 1F1B runs pp - rank warm-up forwards on pipeline rank `pp_rank` (interleaved, with `stages` per
+    rank: (stages - 1) x pp + 2 (pp - 1 - rank) of its stages x chunks), so with chunks = pp the first rank too
+    runs every forward before its first backward."""
+    if micro_batches > 1:
+        return True
+    if pp == 1 or pp_schedule == "gpipe":
+        return False
+    forwards = stages * chunks
+    warmup = pp - pp_rank if stages == 1 else (stages - 1) * pp + 2 * (pp - 1 - pp_rank)
+    return forwards > warmup
 
 
 def uses_dense_masks(cfg: DictConfig) -> bool:
@@ -315,7 +325,12 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         deferred_sync=parallel.get("defer_grad_sync") is True,
         dense_masks=uses_dense_masks(cfg),
         grads_at_peak=grads_at_peak(
-            train.global_batch_size // (degrees.dp * train.micro_batch_size), degrees.pp, parallel.pp_schedule
+            train.global_batch_size // (degrees.dp * train.micro_batch_size),
+            degrees.pp,
+            parallel.pp_schedule,
+            chunks,
+            0,
+            stages_per_rank(parallel.pp_schedule),
         ),
         chunks=chunks,
         root_params=root_params,
