@@ -30,7 +30,7 @@ PPSchedule = StrEnum("PPSchedule", [(name, name) for name in ("gpipe", "1f1b", "
 
 
 class ActivationCheckpoint(StrEnum):
-    """ParallelConfig.activation_checkpoint's choices (forge.parallel.activation_checkpoint)."""
+    """ParallelConfig.activation_checkpoint's choices (forge.parallel.plan.checkpoint_options)."""
 
     none = "none"
     full = "full"
