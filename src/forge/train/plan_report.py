@@ -32,7 +32,8 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
     a sliding window with SDPA) the boolean micro_batch_size x seq_len / cp x seq_len mask lives through the forward
     and each block's SDPA keeps a copy in the compute dtype (only the recomputed block's under full checkpointing).
     With parallel.defer_grad_sync=true under FSDP (dp_shard x cp > 1) the gradients accumulate unsharded until the
-    last micro-batch: grads 4P x dp_shard x cp; in a pipeline torch's stage then also keeps the stage's parameters
+    last micro-batch: grads 4P x dp_shard x cp (a rank's routed experts 4P x dp_shard / ep under expert
+    parallelism: their FSDP group); in a pipeline torch's stage then also keeps the stage's parameters
     unsharded through the step, in place of the 2 gathered blocks.
 
 `--plan --materialize` then allocates rank 0's shards on the CPU and fills them through the real runs' sharded
@@ -159,6 +160,7 @@ def estimate_memory(
     grads_at_peak: bool = True,
     chunks: int = 1,
     root_params: float = 0.0,
+    local_experts: int = 0,
 ) -> MemoryEstimate:
     """The peak memory of the module docstring's formula. `dense_masks`: attention runs SDPA under a boolean mask
     (document masking, or a sliding window, without flex), which SDPA keeps converted to the compute dtype per
@@ -166,7 +168,8 @@ def estimate_memory(
     grads_at_peak tells it from the layout). `chunks`: the pipeline chunks of a micro-batch (a backward starts
     with one chunk's gradients of the logits). `root_params`: the parameters outside the blocks that this rank
     holds, per tp rank (embedding, final norm, head): FSDP's root unit, which stays gathered from the forward to the
-    end of the backward."""
+    end of the backward. `local_experts`: the routed expert parameters among `local_params`; under deferred sync
+    they accumulate unsharded over their own FSDP group, dp_shard / ep ranks, not dp_shard x cp."""
     cp, tp = degrees.cp, degrees.tp
     tokens = micro_batch_size * seq_len * in_flight / cp
     chunk_tokens = micro_batch_size * seq_len / cp / chunks
@@ -192,9 +195,11 @@ def estimate_memory(
     gather = (2 * block_gather_params(args, degrees) / tp + root_params) * act_bytes if shard > 1 else 0
     grads = 4 * local_params
     if deferred_sync and shard > 1:
-        grads *= shard
+        expert_shard = max(degrees.dp_shard // degrees.ep, 1) if degrees.ep > 1 else shard
+        unsharded = (local_params - local_experts) * shard + local_experts * expert_shard
+        grads = 4 * unsharded
         if degrees.pp > 1:
-            gather = local_params * shard * act_bytes
+            gather = unsharded * act_bytes
     return MemoryEstimate(4 * local_params, grads, 8 * local_params, gather, full, ckpt, grads_at_peak)
 
 
@@ -324,6 +329,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         2 if dtype == "bf16" else 4,
         deferred_sync=parallel.get("defer_grad_sync") is True,
         dense_masks=uses_dense_masks(cfg),
+        local_experts=local_experts,
         grads_at_peak=grads_at_peak(
             train.global_batch_size // (degrees.dp * train.micro_batch_size),
             degrees.pp,
