@@ -28,6 +28,7 @@ REFERENCE = {
     "global": [*GLOBAL, "parallel=single", "train.micro_batch_size=8"],
 }
 EP2 = [*MOE, "parallel=ep2_fsdp", "train.micro_batch_size=2"]  # 2 accumulated micro-batches
+ONE_EXPERT = [*MOE, "model.moe.num_experts=2", "model.moe.aux_loss_scope=global_batch"]
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +185,26 @@ def test_ep2_over_four_ranks_shards_experts_with_fsdp_or_hsdp_and_matches_global
     assert 0.3 * runs["hsdp_ep2"]["params"] < runs["hsdp_ep2"]["local_params"] < 0.6 * runs["hsdp_ep2"]["params"]
     for run in runs.values():
         assert_same_curves(run, reference["global"])
+
+
+def one_expert_per_rank(root: str) -> dict:
+    """ep 2 over 4 ranks with 2 experts: one local expert, FSDP-sharded over 2 ranks; the curves, the placements
+    and the expert elements this rank holds."""
+    overrides = [*ONE_EXPERT, "parallel=ep2_fsdp", "train.micro_batch_size=2"]
+    trainer = Trainer(compose(overrides), Path(root))
+    w1 = trainer.model.layers["0"].feed_forward.experts.w1
+    held = {"placements": [str(p) for p in w1.placements], "held": w1.to_local().numel(), "total": w1.numel()}
+    trainer.fit()
+    return curves(trainer.run_dir) | held if is_main_process() else {}
+
+
+@pytest.mark.slow
+def test_one_expert_per_ep_rank_is_sharded_on_its_width_not_padded(tmp_path):
+    """FSDP shards dim 0 by default; one expert over 2 ranks would give each a whole (padded) expert. Mixtral's 8
+    experts over ep 8 are this case at scale: 1/8 of the experts per rank instead of 1/64."""
+    (want,) = launch(run_scenarios, 1, {"one": [*ONE_EXPERT, "parallel=single", "train.micro_batch_size=8"]},
+                     str(tmp_path / "one"))  # fmt: skip
+    got = launch(one_expert_per_rank, 4, str(tmp_path / "ep2"))[0]
+    assert got["held"] * 4 == got["total"], got
+    assert got["placements"][0] == "S(1)", got["placements"]  # FSDP on the width, then ep on the experts
+    assert_same_curves(got, want["one"])

@@ -23,6 +23,8 @@ LAYOUTS = {  # name -> (overrides, world size)
     "tp2_fsdp_uneven": (["parallel=tp2_fsdp", "model.ffn_dim=138"], 4),
     "pp2": (["parallel=pp2", "model.n_layers=4"], 2),
     "ep2_fsdp": (["parallel=ep2_fsdp", *MOE], 2),
+    # one local expert over 2 FSDP ranks: the experts are sharded on their second dimension
+    "ep2_fsdp_one_expert": (["parallel=ep2_fsdp", *MOE, "model.moe.num_experts=2"], 4),
 }
 REFERENCE = {
     "fsdp": [],
@@ -30,6 +32,7 @@ REFERENCE = {
     "tp2_fsdp_uneven": ["model.ffn_dim=138"],
     "pp2": ["model.n_layers=4"],
     "ep2_fsdp": MOE,
+    "ep2_fsdp_one_expert": [*MOE, "model.moe.num_experts=2"],
 }
 
 

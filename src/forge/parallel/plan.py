@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from forge.config.degrees import Degrees
@@ -22,7 +23,7 @@ from forge.config.schema import ActivationCheckpoint
 from forge.model.moe import moe_layers
 from forge.parallel.applied import Applied, logged
 from forge.parallel.context_parallel import apply_context_parallel
-from forge.parallel.expert import shard_experts, sum_load_over
+from forge.parallel.expert import local_part, shard_experts, sum_load_over
 from forge.parallel.mesh import dp_mesh, expert_fsdp_mesh, has_dp_shard, submesh
 from forge.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -240,8 +241,16 @@ def fully_shard_experts(
     experts: nn.Module, mesh: DeviceMesh, dp_size: int, policy: MixedPrecisionPolicy | None = None
 ) -> None:
     """FSDP2 over the ranks sharing these experts. Every data-parallel rank's tokens reach them through the
-    all-to-all, so the summed gradient is divided by all `dp_size` ranks, not by this smaller group's size."""
-    fully_shard(experts, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    all-to-all, so the summed gradient is divided by all `dp_size` ranks, not by this smaller group's size.
+
+    FSDP shards dim 0 by default: the rank's E / ep experts. When they do not split evenly over the shard group
+    (Mixtral's 8 experts over ep 8 leave one expert for 8 ranks), FSDP would pad every rank's shard to a whole
+    expert, so the weights are sharded on their next dimension instead (as torchtitan does)."""
+    shards = mesh.size(mesh.ndim - 1)
+    local = {tuple(local_part(p).shape)[0] for p in experts.parameters()}
+    uneven = any(n % shards for n in local)
+    placement = (lambda param: Shard(1)) if uneven else None
+    fully_shard(experts, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy(), shard_placement_fn=placement)
     experts.set_gradient_divide_factor(float(dp_size))
     if mesh.size(mesh.ndim - 1) > 1:
         # Plain sums, then a division: gloo has no pre-multiplied sum. (Not on a shard group of one rank: there
