@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import AutoConfig, DeepseekV3Config, DeepseekV3ForCausalLM
 
 import forge
 from forge.checkpoint import CheckpointError
@@ -50,13 +50,15 @@ MOE = dict(first_k_dense_replace=0, n_routed_experts=8, num_experts_per_tok=2, m
 MOE |= dict(n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0)
 
 
-@pytest.fixture(scope="module")
-def deepseek_moe_dir(tmp_path_factory) -> Path:
-    """Every block MoE, with selection biases away from zero (they choose experts, and do not weigh them)."""
+@pytest.fixture(scope="module", params=[0, 1], ids=["all_moe", "first_dense"])
+def deepseek_moe_dir(request, tmp_path_factory) -> Path:
+    """MoE in every block, or after a leading dense block (first_k_dense_replace, 3 in DeepSeek-V3 itself), with
+    selection biases away from zero (they choose experts, and do not weigh them)."""
     folder = tmp_path_factory.mktemp("deepseek_v3_moe")
-    model = randomize(DeepseekV3ForCausalLM(DeepseekV3Config(q_lora_rank=32, **(SHAPE | MOE))))
+    config = DeepseekV3Config(q_lora_rank=32, **(SHAPE | MOE | {"first_k_dense_replace": request.param}))
+    model = randomize(DeepseekV3ForCausalLM(config))
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in model.model.layers[request.param :]:
             layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(1)))
     model.save_pretrained(folder)
     return folder
@@ -67,7 +69,10 @@ def test_a_deepseek_v3_moe_folder_loads_and_exports_with_matching_logits(deepsee
     model = forge.load_pretrained(deepseek_moe_dir)
     moe = model.args.moe
     assert (moe.router, moe.num_experts, moe.top_k, moe.num_shared_experts) == ("sigmoid_topk", 8, 2, 1)
-    assert model.layers["0"].feed_forward.router.expert_bias.abs().sum() > 0
+    dense = AutoConfig.from_pretrained(deepseek_moe_dir).first_k_dense_replace
+    assert moe.first_dense == dense
+    assert [hasattr(block.feed_forward, "router") for block in model.layers.values()] == [dense == 0, True]
+    assert model.layers["1"].feed_forward.router.expert_bias.abs().sum() > 0
     assert_logits_close(model(tokens).detach(), want)
     sliced = build_transformer(model.args)
     load_hf_into(sliced, deepseek_moe_dir)
@@ -133,7 +138,6 @@ def test_what_deepseek_v3_interop_does_not_cover_is_refused(tmp_path):
     config = args_to_hf_config(TransformerArgs(dim=64, n_heads=4, attention_kind="mla", mla=MLAArgs(**MLA), moe=moe))
     assert hf_config_to_args(config).moe == moe
     for change, message in [
-        ({"first_k_dense_replace": 1}, "first_k_dense_replace=1 is not supported"),  # DeepSeek-V3's own: 3
         ({"n_group": 8, "topk_group": 4}, "n_group=8 with topk_group=4 is not supported"),
         ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5 is not supported"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 40.0}}, "rope_type 'yarn' is not supported"),

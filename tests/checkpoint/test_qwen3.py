@@ -145,7 +145,7 @@ def test_a_qwen3_moe_folder_warm_starts_a_built_model(qwen3_moe_dir, tokens):
 
 @pytest.mark.parametrize(
     "option,value",
-    [("router", "sigmoid_topk"), ("num_shared_experts", 1), ("capacity_factor", 1.25)],
+    [("router", "sigmoid_topk"), ("num_shared_experts", 1), ("capacity_factor", 1.25), ("first_dense", 1)],
 )
 def test_moe_settings_qwen3_moe_cannot_express_are_refused(tmp_path, option, value):
     args = TransformerArgs(**ARGS, moe=MoEArgs(num_experts=4, **{option: value}))

@@ -64,8 +64,10 @@ def moe_unsupported(moe: MoEArgs, family: HFFamily = MIXTRAL) -> str | None:
     if moe.num_shared_experts and family is not DEEPSEEK_V3:
         return f"model.moe.num_shared_experts={moe.num_shared_experts} ({name} has no shared experts)"
     if moe.every != 1 and family in (MIXTRAL, DEEPSEEK_V3):
-        what = "every Mixtral block is" if family is MIXTRAL else "forge's MoE blocks from the first on are"
+        what = "every Mixtral block is" if family is MIXTRAL else "every block from first_k_dense_replace on is"
         return f"model.moe.every={moe.every} ({what} an MoE block)"
+    if moe.first_dense and family is not DEEPSEEK_V3:
+        return f"model.moe.first_dense={moe.first_dense} ({name} places dense blocks by no leading count)"
     if moe.capacity_factor > 0:
         return f"model.moe.capacity_factor={moe.capacity_factor} ({name} drops no tokens)"
     return None
@@ -136,16 +138,16 @@ def args_to_hf_config(args: TransformerArgs) -> dict:
 
 
 def _deepseek_v3_config(args: TransformerArgs) -> dict:
-    """The DeepSeek-V3 fields of a latent-attention model: dense (every block below first_k_dense_replace), or MoE
-    in every block (first_k_dense_replace 0) with one expert group and unscaled weights, which is forge's
-    sigmoid_topk router (renormalised unbiased scores, the bias only choosing)."""
+    """The DeepSeek-V3 fields of a latent-attention model: dense, or MoE from block model.moe.first_dense on
+    (first_k_dense_replace) with one expert group and unscaled weights, which is forge's sigmoid_topk router
+    (renormalised unbiased scores, the bias only choosing)."""
     moe_fields: dict = {"first_k_dense_replace": args.n_layers}
     if args.moe is not None:
         reason = moe_unsupported(args.moe, DEEPSEEK_V3)
         if reason:
             raise CheckpointError(f"{reason} has no DeepseekV3ForCausalLM equivalent; this model cannot be exported")
         moe_fields = {
-            "first_k_dense_replace": 0,
+            "first_k_dense_replace": args.moe.first_dense,
             "n_routed_experts": args.moe.num_experts,
             "num_experts_per_tok": args.moe.top_k,
             "moe_intermediate_size": args.moe.expert_ffn_dim or args.hidden_dim,
@@ -173,16 +175,11 @@ def _deepseek_v3_config(args: TransformerArgs) -> dict:
 
 
 def _deepseek_v3_moe(config: dict) -> MoEArgs | None:
-    """None for a dense model; MoE in every block as forge's sigmoid_topk router, or a CheckpointError naming the
-    first routing setting forge cannot express."""
+    """None for a dense model; MoE from block first_k_dense_replace on as forge's sigmoid_topk router, or a
+    CheckpointError naming the first routing setting forge cannot express."""
     layers, dense = config["num_hidden_layers"], config.get("first_k_dense_replace", 3)
     if dense >= layers:
         return None
-    if dense > 0:
-        raise CheckpointError(
-            f"first_k_dense_replace={dense} is not supported: forge places MoE blocks by model.moe.every only (0: "
-            f"all {layers} blocks MoE, or >= num_hidden_layers: all dense)"
-        )
     groups, kept = config.get("n_group") or 1, config.get("topk_group") or 1
     if kept < groups:
         raise CheckpointError(
@@ -198,6 +195,7 @@ def _deepseek_v3_moe(config: dict) -> MoEArgs | None:
         top_k=config["num_experts_per_tok"],
         num_shared_experts=config.get("n_shared_experts") or 0,
         expert_ffn_dim=config["moe_intermediate_size"],
+        first_dense=dense,
         router="sigmoid_topk",
     )
 

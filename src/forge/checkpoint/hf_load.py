@@ -143,6 +143,7 @@ _MOE_FIELDS = (
     _Field("num_experts", "num_local_experts", "model.moe.num_experts"),
     _Field("top_k", "num_experts_per_tok", "model.moe.top_k"),
     _Field("every", "decoder_sparse_step", "model.moe.every"),
+    _Field("first_dense", "first_k_dense_replace", "model.moe.first_dense"),
 )
 _SOFT_FIELDS = ("rope_theta", "rope_scaling")  # a longer context changes them on purpose
 
@@ -176,7 +177,7 @@ def check_hf_config(folder: Path, args: TransformerArgs) -> None:
     if args.attention_kind == "mla" and args.mla != theirs.mla:
         field = next(k for k in vars(args.mla) if getattr(args.mla, k) != getattr(theirs.mla, k))
         raise differs(field, getattr(theirs.mla, field), f"model.mla.{field}", getattr(args.mla, field))
-    has_dense_blocks = args.moe is None or args.moe.every > 1
+    has_dense_blocks = args.moe is None or args.moe.every > 1 or args.moe.first_dense > 0
     if has_dense_blocks and args.hidden_dim != theirs.hidden_dim:
         raise differs("intermediate_size", theirs.hidden_dim, "model.ffn_dim", args.hidden_dim)
     if args.moe is not None:

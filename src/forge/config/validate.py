@@ -91,6 +91,7 @@ def validate_model(model: DictConfig) -> None:
             f"model.moe.top_k={moe.top_k} must be in 1..model.moe.num_experts={moe.num_experts}",
         )
         _require(moe.every >= 1, f"model.moe.every={moe.every} must be at least 1")
+        _require(moe.first_dense >= 0, f"model.moe.first_dense={moe.first_dense} must be >= 0")
         _require(moe.capacity_factor >= 0, f"model.moe.capacity_factor={moe.capacity_factor} must be >= 0")
 
 

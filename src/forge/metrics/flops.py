@@ -48,7 +48,7 @@ def swiglu_flops(dim: int, hidden: int) -> float:
 
 
 def is_moe_block(args: TransformerArgs, layer_id: int) -> bool:
-    return args.moe is not None and (layer_id + 1) % args.moe.every == 0
+    return args.moe is not None and args.moe.in_block(layer_id)
 
 
 def attention_flops(args: TransformerArgs, seq_len: int) -> tuple[float, float]:

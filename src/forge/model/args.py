@@ -48,6 +48,8 @@ class MoEArgs:
     """Hidden size of one expert; 0 uses the dense ffn size (smaller values give fine-grained experts)."""
     every: int = 1
     """An MoE layer in every k-th block (block i is MoE when (i + 1) % every == 0)."""
+    first_dense: int = 0
+    """Blocks below this index keep the dense MLP whatever `every` says (DeepSeek-V3's first_k_dense_replace)."""
     capacity_factor: float = 0.0
     """Tokens per expert allowed as a multiple of the even share; 0 is dropless."""
     router: RouterKind = RouterKind.softmax_topk
@@ -71,6 +73,10 @@ class MoEArgs:
 
     def __post_init__(self) -> None:
         self.router, self.aux_loss_scope = str(self.router), str(self.aux_loss_scope)  # plain, as TransformerArgs'
+
+    def in_block(self, layer_id: int) -> bool:
+        """Whether block `layer_id` (from 0) runs this MoE in place of the dense MLP."""
+        return layer_id >= self.first_dense and (layer_id + 1) % self.every == 0
 
 
 class AttentionBackend(StrEnum):

@@ -99,7 +99,7 @@ class TransformerBlock(nn.Module):
         self.attention = LatentAttention(args) if args.attention_kind == "mla" else Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         moe = args.moe
-        if moe is not None and (layer_id + 1) % moe.every == 0:
+        if moe is not None and moe.in_block(layer_id):
             self.feed_forward: nn.Module = MoE(args.dim, moe.expert_ffn_dim or args.hidden_dim, moe)
         else:
             self.feed_forward = FeedForward(args.dim, args.hidden_dim)

@@ -90,7 +90,7 @@ def ffn_token_width(args) -> float:
     if moe is None:
         return args.hidden_dim
     expert = moe.expert_ffn_dim or args.hidden_dim
-    moe_blocks = sum((i + 1) % moe.every == 0 for i in range(args.n_layers))
+    moe_blocks = sum(moe.in_block(i) for i in range(args.n_layers))
     moe_width = expert * (moe.top_k + moe.num_shared_experts)
     return (moe_blocks * moe_width + (args.n_layers - moe_blocks) * args.hidden_dim) / args.n_layers
 
