@@ -24,3 +24,12 @@ def test_a_new_key_set_to_something_else_is_still_a_change():
     current = compose(["model.head_dim=16"])
     changes = config_changes(saved_without(current, "model", "head_dim"), current)
     assert [(c.key, c.kind) for c in changes] == [("model.head_dim", "refused")]
+
+
+def test_a_nested_key_added_since_the_checkpoint_counts_as_its_default():
+    current = compose(["model=moe_tiny"])
+    plain = OmegaConf.create(OmegaConf.to_container(current, resolve=True))
+    del plain["model"]["moe"]["first_dense"]  # model.moe.first_dense came after MoE checkpoints existed
+    assert config_changes(plain, current) == []
+    plain.model.moe.first_dense = 1
+    assert [c.key for c in config_changes(plain, current)] == ["model.moe.first_dense"]
