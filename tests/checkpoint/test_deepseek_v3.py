@@ -50,15 +50,23 @@ MOE = dict(first_k_dense_replace=0, n_routed_experts=8, num_experts_per_tok=2, m
 MOE |= dict(n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0)
 
 
-@pytest.fixture(scope="module", params=[0, 1], ids=["all_moe", "first_dense"])
+# DeepSeek-V3's own routing at small size: a leading dense block, 4 groups of 2 experts of which a token's best 2
+# are candidates, weights scaled by 2.5 (the published model: 3 dense blocks, 8 groups of 32, best 4, 2.5)
+GROUPED = {"first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}
+
+
+@pytest.fixture(
+    scope="module", params=[{}, {"first_k_dense_replace": 1}, GROUPED], ids=["all_moe", "first_dense", "grouped"]
+)
 def deepseek_moe_dir(request, tmp_path_factory) -> Path:
-    """MoE in every block, or after a leading dense block (first_k_dense_replace, 3 in DeepSeek-V3 itself), with
-    selection biases away from zero (they choose experts, and do not weigh them)."""
+    """MoE in every block, after a leading dense block (first_k_dense_replace, 3 in DeepSeek-V3 itself), or with
+    group-limited, scaled routing besides, with selection biases away from zero (they choose experts, and do not
+    weigh them)."""
     folder = tmp_path_factory.mktemp("deepseek_v3_moe")
-    config = DeepseekV3Config(q_lora_rank=32, **(SHAPE | MOE | {"first_k_dense_replace": request.param}))
+    config = DeepseekV3Config(q_lora_rank=32, **(SHAPE | MOE | request.param))
     model = randomize(DeepseekV3ForCausalLM(config))
     with torch.no_grad():
-        for layer in model.model.layers[request.param :]:
+        for layer in model.model.layers[config.first_k_dense_replace :]:
             layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(1)))
     model.save_pretrained(folder)
     return folder
@@ -71,6 +79,9 @@ def test_a_deepseek_v3_moe_folder_loads_and_exports_with_matching_logits(deepsee
     assert (moe.router, moe.num_experts, moe.top_k, moe.num_shared_experts) == ("sigmoid_topk", 8, 2, 1)
     dense = AutoConfig.from_pretrained(deepseek_moe_dir).first_k_dense_replace
     assert moe.first_dense == dense
+    hf = AutoConfig.from_pretrained(deepseek_moe_dir)
+    assert (moe.expert_groups, moe.groups_per_token, moe.route_scale) == (
+        hf.n_group, hf.topk_group, hf.routed_scaling_factor)  # fmt: skip
     assert [hasattr(block.feed_forward, "router") for block in model.layers.values()] == [dense == 0, True]
     assert model.layers["1"].feed_forward.router.expert_bias.abs().sum() > 0
     assert_logits_close(model(tokens).detach(), want)
@@ -138,8 +149,6 @@ def test_what_deepseek_v3_interop_does_not_cover_is_refused(tmp_path):
     config = args_to_hf_config(TransformerArgs(dim=64, n_heads=4, attention_kind="mla", mla=MLAArgs(**MLA), moe=moe))
     assert hf_config_to_args(config).moe == moe
     for change, message in [
-        ({"n_group": 8, "topk_group": 4}, "n_group=8 with topk_group=4 is not supported"),
-        ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5 is not supported"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 40.0}}, "rope_type 'yarn' is not supported"),
     ]:
         with pytest.raises(CheckpointError, match=message):

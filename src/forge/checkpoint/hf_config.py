@@ -1,7 +1,8 @@
 """Hugging Face config.json <-> forge model args, for the five transformers architectures forge's decoder is.
 
 Which one a model is follows from three settings: a latent-attention model (`model.attention_kind=mla`) is
-`DeepseekV3ForCausalLM` (dense, or MoE in every block with one expert group); an MoE model is
+`DeepseekV3ForCausalLM` (dense, or MoE after its first dense blocks, group-limited and scaled as
+model.moe says); an MoE model is
 `MixtralForCausalLM` or, with per-head q/k norms (`model.qk_norm=true`), `Qwen3MoeForCausalLM`; a dense one is
 `LlamaForCausalLM` or, with q/k norms, `Qwen3ForCausalLM`. DeepSeek-V3 checkpoints interleave the rotary pairs
 (`rope_interleave`, default true); forge rotates halves, so those rows are reordered on import (`rope_row_order`)
@@ -66,8 +67,13 @@ def moe_unsupported(moe: MoEArgs, family: HFFamily = MIXTRAL) -> str | None:
     if moe.every != 1 and family in (MIXTRAL, DEEPSEEK_V3):
         what = "every Mixtral block is" if family is MIXTRAL else "every block from first_k_dense_replace on is"
         return f"model.moe.every={moe.every} ({what} an MoE block)"
-    if moe.first_dense and family is not DEEPSEEK_V3:
-        return f"model.moe.first_dense={moe.first_dense} ({name} places dense blocks by no leading count)"
+    if family is not DEEPSEEK_V3:
+        if moe.first_dense:
+            return f"model.moe.first_dense={moe.first_dense} ({name} places dense blocks by no leading count)"
+        if moe.groups_per_token < moe.expert_groups:
+            return f"model.moe.expert_groups={moe.expert_groups} ({name} has no group-limited routing)"
+        if moe.route_scale != 1.0:
+            return f"model.moe.route_scale={moe.route_scale} ({name} does not scale its combine weights)"
     if moe.capacity_factor > 0:
         return f"model.moe.capacity_factor={moe.capacity_factor} ({name} drops no tokens)"
     return None
@@ -139,8 +145,8 @@ def args_to_hf_config(args: TransformerArgs) -> dict:
 
 def _deepseek_v3_config(args: TransformerArgs) -> dict:
     """The DeepSeek-V3 fields of a latent-attention model: dense, or MoE from block model.moe.first_dense on
-    (first_k_dense_replace) with one expert group and unscaled weights, which is forge's sigmoid_topk router
-    (renormalised unbiased scores, the bias only choosing)."""
+    (first_k_dense_replace), routed by forge's sigmoid_topk router (renormalised unbiased scores times
+    route_scale, the bias only choosing, within the best groups_per_token of expert_groups)."""
     moe_fields: dict = {"first_k_dense_replace": args.n_layers}
     if args.moe is not None:
         reason = moe_unsupported(args.moe, DEEPSEEK_V3)
@@ -152,9 +158,9 @@ def _deepseek_v3_config(args: TransformerArgs) -> dict:
             "num_experts_per_tok": args.moe.top_k,
             "moe_intermediate_size": args.moe.expert_ffn_dim or args.hidden_dim,
             "n_shared_experts": args.moe.num_shared_experts,
-            "n_group": 1,
-            "topk_group": 1,
-            "routed_scaling_factor": 1.0,
+            "n_group": args.moe.expert_groups,
+            "topk_group": args.moe.groups_per_token,
+            "routed_scaling_factor": args.moe.route_scale,
             "norm_topk_prob": True,
         }
     if args.qk_norm:
@@ -181,13 +187,6 @@ def _deepseek_v3_moe(config: dict) -> MoEArgs | None:
     if dense >= layers:
         return None
     groups, kept = config.get("n_group") or 1, config.get("topk_group") or 1
-    if kept < groups:
-        raise CheckpointError(
-            f"n_group={groups} with topk_group={kept} is not supported (group-limited routing; forge's sigmoid_topk "
-            "chooses among all experts)"
-        )
-    if config.get("routed_scaling_factor", 1.0) != 1.0:
-        raise CheckpointError(f"routed_scaling_factor={config['routed_scaling_factor']} is not supported (1.0 only)")
     if not config.get("norm_topk_prob", True):
         raise CheckpointError("norm_topk_prob=false is not supported (forge's sigmoid_topk renormalises the k weights)")
     return MoEArgs(
@@ -196,6 +195,9 @@ def _deepseek_v3_moe(config: dict) -> MoEArgs | None:
         num_shared_experts=config.get("n_shared_experts") or 0,
         expert_ffn_dim=config["moe_intermediate_size"],
         first_dense=dense,
+        expert_groups=groups,
+        groups_per_token=min(kept, groups),
+        route_scale=float(config.get("routed_scaling_factor", 1.0)),
         router="sigmoid_topk",
     )
 

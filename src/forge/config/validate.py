@@ -92,6 +92,22 @@ def validate_model(model: DictConfig) -> None:
         )
         _require(moe.every >= 1, f"model.moe.every={moe.every} must be at least 1")
         _require(moe.first_dense >= 0, f"model.moe.first_dense={moe.first_dense} must be >= 0")
+        groups, kept = moe.expert_groups, moe.groups_per_token
+        _require(
+            groups >= 1 and moe.num_experts % groups == 0,
+            f"model.moe.expert_groups={groups} must divide model.moe.num_experts={moe.num_experts}",
+        )
+        _require(
+            1 <= kept <= groups, f"model.moe.groups_per_token={kept} must be in 1..model.moe.expert_groups={groups}"
+        )
+        if kept < groups:
+            per_group = moe.num_experts // groups
+            _require(per_group >= 2, f"model.moe.expert_groups={groups} leaves fewer than 2 experts per group")
+            _require(
+                moe.top_k <= kept * per_group,
+                f"model.moe.top_k={moe.top_k} is more than the {kept * per_group} experts of "
+                f"model.moe.groups_per_token={kept} groups",
+            )
         _require(moe.capacity_factor >= 0, f"model.moe.capacity_factor={moe.capacity_factor} must be >= 0")
 
 

@@ -50,6 +50,14 @@ class MoEArgs:
     """An MoE layer in every k-th block (block i is MoE when (i + 1) % every == 0)."""
     first_dense: int = 0
     """Blocks below this index keep the dense MLP whatever `every` says (DeepSeek-V3's first_k_dense_replace)."""
+    expert_groups: int = 1
+    """Experts split into this many equal groups for group-limited routing (DeepSeek-V3's n_group, 8); a group
+    scores the sum of its two best selection scores."""
+    groups_per_token: int = 1
+    """Groups a token may choose its experts from, the best-scoring ones (DeepSeek-V3's topk_group, 4); with
+    expert_groups=1 every expert is a candidate."""
+    route_scale: float = 1.0
+    """Factor on the k combine weights after they are renormalised (DeepSeek-V3's routed_scaling_factor, 2.5)."""
     capacity_factor: float = 0.0
     """Tokens per expert allowed as a multiple of the even share; 0 is dropless."""
     router: RouterKind = RouterKind.softmax_topk

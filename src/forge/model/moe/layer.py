@@ -32,7 +32,9 @@ class MoE(nn.Module):
         if args.aux_loss_scope not in tuple(AuxLossScope):
             raise ValueError(f"moe.aux_loss_scope={args.aux_loss_scope!r} is not one of {', '.join(AuxLossScope)}")
         self.args = args
-        self.router = Router(dim, args.num_experts, args.top_k, args.router)
+        self.router = Router(
+            dim, args.num_experts, args.top_k, args.router, args.expert_groups, args.groups_per_token, args.route_scale
+        )
         self.experts = GroupedExperts(dim, hidden, args.num_experts, args.grouped_mm)
         # n shared SwiGLU experts of size `hidden` equal one SwiGLU of size n * hidden.
         self.shared_experts = FeedForward(dim, hidden * args.num_shared_experts) if args.num_shared_experts else None

@@ -37,11 +37,15 @@ class Routing:
 class Router(nn.Module):
     """Linear gate plus top-k selection; `kind` is a RouterKind."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, kind: str):
+    def __init__(
+        self, dim: int, num_experts: int, top_k: int, kind: str, groups: int = 1, groups_kept: int = 1,
+        scale: float = 1.0,
+    ):  # fmt: skip
         super().__init__()
         if kind not in tuple(RouterKind):
             raise ValueError(f"router kind {kind!r} is not one of {', '.join(RouterKind)}")
         self.kind, self.top_k = kind, top_k
+        self.groups, self.groups_kept, self.scale = groups, groups_kept, scale
         self.gate = nn.Linear(dim, num_experts, bias=False)
         # Selection-only bias of the sigmoid router: state (checkpointed), not a parameter (no gradient).
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=kind == "sigmoid_topk")
@@ -50,15 +54,25 @@ class Router(nn.Module):
         """x (T, dim) -> Routing. Scores are computed in fp32 whatever the autocast dtype."""
         logits = self.gate(x).float()
         if self.kind == "softmax_topk":
-            probs = logits.softmax(dim=-1)
-            top, experts = probs.topk(self.top_k, dim=-1)
+            scores = probs = logits.softmax(dim=-1)
+            choice = scores
         else:
             scores = logits.sigmoid()
-            _, experts = (scores + self.expert_bias).topk(self.top_k, dim=-1)
-            top = scores.gather(-1, experts)
+            choice = scores + self.expert_bias
             probs = scores / scores.sum(dim=-1, keepdim=True)
-        weights = top / top.sum(dim=-1, keepdim=True)
+        _, experts = self.within_best_groups(choice).topk(self.top_k, dim=-1)
+        top = scores.gather(-1, experts)
+        weights = top / top.sum(dim=-1, keepdim=True) * self.scale
         return Routing(experts=experts, weights=weights, probs=probs, logits=logits)
+
+    def within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing: selection scores outside each token's `groups_kept` best groups set to -inf."""
+        if self.groups_kept >= self.groups:
+            return choice
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(self.groups_kept, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
     def init_specs(self, std: float) -> dict[str, InitSpec]:
         return {"gate.weight": trunc_normal(std), "expert_bias": ZEROS}
