@@ -9,6 +9,9 @@ weights and how the load is balanced:
 * sigmoid_topk (DeepSeek-V3): an independent sigmoid per expert. A per-expert bias is added to the scores for the
   choice of experts only (never to the weights, never through the gradient); the trainer nudges it after each step
   towards the under-loaded experts (`update_router_biases`). The k weights are the unbiased scores renormalised.
+
+Either may limit a token to the experts of its best groups (DeepSeek-V3's n_group / topk_group: a group scores
+the sum of its two best selection scores) and scale the renormalised weights (routed_scaling_factor).
 """
 
 from dataclasses import dataclass
