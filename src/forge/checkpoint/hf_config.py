@@ -186,7 +186,7 @@ def _deepseek_v3_moe(config: dict) -> MoEArgs | None:
     layers, dense = config["num_hidden_layers"], config.get("first_k_dense_replace", 3)
     if dense >= layers:
         return None
-    groups, kept = config.get("n_group") or 1, config.get("topk_group") or 1
+    groups, kept = config.get("n_group", 8) or 1, config.get("topk_group", 4) or 1  # transformers' defaults
     if not config.get("norm_topk_prob", True):
         raise CheckpointError("norm_topk_prob=false is not supported (forge's sigmoid_topk renormalises the k weights)")
     return MoEArgs(
@@ -197,7 +197,7 @@ def _deepseek_v3_moe(config: dict) -> MoEArgs | None:
         first_dense=dense,
         expert_groups=groups,
         groups_per_token=min(kept, groups),
-        route_scale=float(config.get("routed_scaling_factor", 1.0)),
+        route_scale=float(config.get("routed_scaling_factor", 2.5)),
         router="sigmoid_topk",
     )
 

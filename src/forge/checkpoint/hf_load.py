@@ -144,6 +144,9 @@ _MOE_FIELDS = (
     _Field("top_k", "num_experts_per_tok", "model.moe.top_k"),
     _Field("every", "decoder_sparse_step", "model.moe.every"),
     _Field("first_dense", "first_k_dense_replace", "model.moe.first_dense"),
+    _Field("expert_groups", "n_group", "model.moe.expert_groups"),
+    _Field("groups_per_token", "topk_group", "model.moe.groups_per_token"),
+    _Field("route_scale", "routed_scaling_factor", "model.moe.route_scale"),
 )
 _SOFT_FIELDS = ("rope_theta", "rope_scaling")  # a longer context changes them on purpose
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -91,7 +93,14 @@ def validate_model(model: DictConfig) -> None:
             f"model.moe.top_k={moe.top_k} must be in 1..model.moe.num_experts={moe.num_experts}",
         )
         _require(moe.every >= 1, f"model.moe.every={moe.every} must be at least 1")
-        _require(moe.first_dense >= 0, f"model.moe.first_dense={moe.first_dense} must be >= 0")
+        _require(
+            0 <= moe.first_dense < model.n_layers,
+            f"model.moe.first_dense={moe.first_dense} must be in 0..model.n_layers - 1 ({model.n_layers - 1})",
+        )
+        _require(
+            math.isfinite(moe.route_scale) and moe.route_scale > 0,
+            f"model.moe.route_scale={moe.route_scale} must be positive",
+        )
         groups, kept = moe.expert_groups, moe.groups_per_token
         _require(
             groups >= 1 and moe.num_experts % groups == 0,
@@ -100,7 +109,7 @@ def validate_model(model: DictConfig) -> None:
         _require(
             1 <= kept <= groups, f"model.moe.groups_per_token={kept} must be in 1..model.moe.expert_groups={groups}"
         )
-        if kept < groups:
+        if groups > 1:
             per_group = moe.num_experts // groups
             _require(per_group >= 2, f"model.moe.expert_groups={groups} leaves fewer than 2 experts per group")
             _require(

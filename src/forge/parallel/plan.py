@@ -249,7 +249,8 @@ def fully_shard_experts(
     shards = mesh.size(mesh.ndim - 1)
     local = {tuple(local_part(p).shape)[0] for p in experts.parameters()}
     uneven = any(n % shards for n in local)
-    placement = (lambda param: Shard(1)) if uneven else None
+    widths_split = all(p.shape[1] % shards == 0 for p in experts.parameters())  # FSDP refuses uneven dim 1
+    placement = (lambda param: Shard(1)) if uneven and widths_split else None
     fully_shard(experts, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy(), shard_placement_fn=placement)
     experts.set_gradient_divide_factor(float(dp_size))
     if mesh.size(mesh.ndim - 1) > 1:
