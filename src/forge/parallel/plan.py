@@ -247,13 +247,12 @@ def fully_shard_experts(
     (Mixtral's 8 experts over ep 8 leave one expert for 8 ranks), FSDP would pad every rank's shard to a whole
     expert, so the weights are sharded on their next dimension instead (as torchtitan does)."""
     shards = mesh.size(mesh.ndim - 1)
-    local = {tuple(local_part(p).shape)[0] for p in experts.parameters()}
-    uneven = any(n % shards for n in local)
+    uneven = any(local_part(p).shape[0] % shards for p in experts.parameters())
     widths_split = all(p.shape[1] % shards == 0 for p in experts.parameters())  # FSDP refuses uneven dim 1
     placement = (lambda param: Shard(1)) if uneven and widths_split else None
     fully_shard(experts, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy(), shard_placement_fn=placement)
     experts.set_gradient_divide_factor(float(dp_size))
-    if mesh.size(mesh.ndim - 1) > 1:
+    if shards > 1:
         # Plain sums, then a division: gloo has no pre-multiplied sum. (Not on a shard group of one rank: there
         # FSDP already divides while copying, and forcing sums would divide a second time.)
         experts.set_force_sum_reduction_for_comms(True)
