@@ -9,6 +9,7 @@ from forge.model.vlm import CrossAttentionVLM, JointDecoderVLM, MoMaVLM, MoTVLM
 from forge.model.vlm.base import VLMCache
 from forge.model.vlm.connector import build_connector
 from forge.model.vlm.encoder import VisionTower, build_tiny_encoder, load_vision_tower
+from forge.parallel.init import materialize_sharded
 from tests.vlm.conftest import media
 
 STRATEGIES = {"joint_decoder": JointDecoderVLM, "cross_attention": CrossAttentionVLM, "mot": MoTVLM, "moma": MoMaVLM}
@@ -23,9 +24,10 @@ SCHEMAS = {
 
 
 def build(cls, text_args, encoder: str, seed: int = 0, **kwargs):
-    torch.manual_seed(seed)
-    model = cls(text_args, **options(SCHEMAS[cls], encoder_path=encoder, **kwargs))
-    model.init_weights()
+    """The strategy as training builds it: on the meta device but for the loaded tower, then filled from `seed`."""
+    with torch.device("meta"):
+        model = cls(text_args, **options(SCHEMAS[cls], encoder_path=encoder, **kwargs))
+    materialize_sharded(model, model, seed, torch.device("cpu"))
     return model.eval()
 
 

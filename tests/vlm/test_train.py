@@ -114,3 +114,44 @@ def test_two_rank_bf16_fsdp_gathers_bf16_and_follows_one_process(tmp_path):
     assert sorted(two["losses"]) == [1, 2, 3]
     for step, loss in one["losses"].items():
         assert two["losses"][step] == pytest.approx(loss, rel=2**-6), step
+
+
+def initial_weights(run_dir: str, *overrides: str) -> dict:
+    """The trainer's model right after it was built: every tensor whole (by digest), and how many decoder
+    elements this rank holds."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from tests.parallel.test_init import digest
+
+    trainer = VLMTrainer(compose([*VQA, *TINY, "train.micro_batch_size=4", *overrides]), Path(run_dir))
+    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    decoder = list(trainer.model.decoder.parameters())
+    return {
+        "weights": {name: digest(tensor) for name, tensor in state.items()},
+        "decoder_held": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in decoder),
+        "decoder_whole": sum(p.numel() for p in decoder),
+    }
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["vlm=joint_decoder", "vlm.connector=attnpool", "vlm.connector_tokens=2"],  # tower frozen: not FSDP's
+        ["vlm=cross_attention", "vlm.train_encoder_from_step=2"],  # tower trained: sharded too
+        ["vlm=mot"],
+        ["vlm=moma"],
+    ],
+    ids=lambda overrides: overrides[0],
+)
+def test_two_fsdp_ranks_start_from_the_one_process_weights_each_filling_only_its_shards(strategy, tmp_path):
+    """Built on the meta device but for the loaded tower, each rank fills its shards from (seed, name, row block):
+    bit for bit the weights one process starts from, and no rank ever holds the whole decoder."""
+    one = initial_weights(str(tmp_path / "one"), *strategy)
+    ranks = launch(initial_weights, 2, str(tmp_path / "two"), *strategy, "parallel=fsdp")
+    assert one["decoder_held"] == one["decoder_whole"]
+    for rank in ranks:
+        assert rank["weights"] == one["weights"]
+        assert rank["decoder_held"] <= one["decoder_whole"] / 2 + 1024  # FSDP pads each shard by under a row

@@ -40,13 +40,16 @@ def materialize_sharded(model: nn.Module, plain: nn.Module, seed: int, device) -
     """Allocate `model` (parallelized, on the meta device) and fill this rank's shards with the weights one
     process would give it from `seed`; returns how many random numbers this rank drew.
 
-    `plain` is the whole model unparallelized on the meta device (it costs nothing); its `init_specs` say how each
-    parameter starts. Each value is a function of (seed, name, row block) only (forge.model.init_spec), so a rank
+    `plain` is the whole model unparallelized on the meta device (it costs nothing; a model whose plan keeps its
+    parameter names, as a VLM's does, may be its own `plain`); its `init_specs` say how each parameter starts.
+    Tensors already real (a VLM's pretrained vision tower, loaded from its folder) are kept; every meta one must
+    have a spec. Each value is a function of (seed, name, row block) only (forge.model.init_spec), so a rank
     draws the row blocks its shard overlaps, on the CPU, and copies its columns into the local tensor: no
     collective (it works under a fake process group), host memory of one block beyond the shards, and about this
     rank's share of the random numbers. A pipeline stage fills the parameters it holds.
     """
-    model.to_empty(device=device)
+    meta = {name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta}
+    allocate_meta_(model, device)
     model.tie_weights()  # to_empty re-created the shared embedding once per module
     model.init_buffers()
     specs = plain.init_specs()
@@ -54,7 +57,7 @@ def materialize_sharded(model: nn.Module, plain: nn.Module, seed: int, device) -
     seen: set[int] = set()
     named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if plain_name(n) in specs)]
     for name, tensor in named:
-        if id(tensor) in seen:
+        if id(tensor) in seen or name not in meta:
             continue
         seen.add(id(tensor))
         name = plain_name(name)
@@ -69,3 +72,12 @@ def materialize_sharded(model: nn.Module, plain: nn.Module, seed: int, device) -
         else:
             drawn += fill_piece_(tensor, specs[name], seed, name, tuple(tensor.shape), (0,) * tensor.dim())
     return drawn
+
+
+def allocate_meta_(model: nn.Module, device: torch.device) -> None:
+    """`to_empty` of each module that holds meta tensors of its own, children before parents (an FSDP module then
+    re-registers its shards after their modules were allocated); modules whose tensors are real keep them."""
+    for module in reversed(list(model.modules())):
+        own = [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
+        if any(t.is_meta for t in own):
+            module.to_empty(device=device, recurse=False)

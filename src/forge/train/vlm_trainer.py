@@ -6,6 +6,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from forge.parallel import dist
+from forge.parallel.init import materialize_sharded
 from forge.parallel.plan import mixed_precision_policy
 from forge.parallel.vlm import parallelize_vlm
 from forge.train import build
@@ -14,12 +15,18 @@ from forge.train.steps import VLMStep
 from forge.train.trainer import Trainer
 
 
+def build_meta_vlm(cfg: DictConfig):
+    """The strategy's model on the meta device (shapes only, nothing allocated), but for the vision tower, which
+    is loaded with its pretrained weights."""
+    with torch.device("meta"):
+        return instantiate(cfg.vlm, _partial_=True)(text=build.model_args(cfg))
+
+
 def build_vlm(cfg: DictConfig, seed: int):
-    """The strategy's model on the CPU: decoder and connector seeded from `seed`, the vision tower as loaded."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = instantiate(cfg.vlm, _partial_=True)(text=build.model_args(cfg))
-        model.init_weights()
+    """The strategy's model whole on the CPU, everything but the tower initialised from `seed` (the weights every
+    layout of training starts from)."""
+    model = build_meta_vlm(cfg)
+    materialize_sharded(model, model, seed, torch.device("cpu"))
     return model
 
 
@@ -30,14 +37,16 @@ class VLMTrainer(Trainer):
         cfg = self.cfg
         self.pipeline = None
         with dist.local_rank_zero_first():  # the first rank writes the embedded encoder and tokenizer caches
-            self.model = build_vlm(cfg, cfg.train.seed)
+            self.model = build_meta_vlm(cfg)
             from transformers import AutoImageProcessor
 
             processor = AutoImageProcessor.from_pretrained(self.model.encoder_path)
             self.corpus = instantiate(cfg.data, image_processor=processor, _convert_="all")
         self.n_params = sum(p.numel() for p in self.model.parameters())
-        self.model.to(self.device)
+        self.model.encoder.to(self.device)
         self.freeze = FreezeSchedule(self.model)
         policy = mixed_precision_policy(cfg.parallel, self.dtype)
         parallelize_vlm(self.model, self.mesh, cfg.parallel.activation_checkpoint, policy)
+        # Each rank allocates and fills only its shards: no rank holds the whole decoder.
+        materialize_sharded(self.model, self.model, cfg.train.seed, self.device)
         self.step = VLMStep(self.model, self.device, self.dtype, self.mesh, self.defer_grad_sync, self.batch_loss)

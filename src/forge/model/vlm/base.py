@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from forge.model.args import TransformerArgs
+from forge.model.init_spec import InitSpec, prefixed
 from forge.model.transformer import KVCache, Transformer
-from forge.model.vlm.connector import build_connector, init_connector
+from forge.model.vlm.connector import build_connector, connector_init_specs
 from forge.model.vlm.encoder import VisionTower, build_tiny_encoder, load_vision_tower
 
 
@@ -61,7 +62,7 @@ class VLMCache(KVCache):
 class VisionLanguageModel(nn.Module):
     """Base of the strategies: subclasses define `forward(tokens, pixels, frame_mask, frame_times) -> logits` over
     the text positions (with `head=False`, the final-norm hidden states: a chunked loss applies the head) and may
-    add parameters in `__init__` and `init_extra_weights`.
+    add parameters in `__init__` and their initialisation in `extra_init_specs`.
 
     Every strategy runs its layers through a method `run_block(key, block, h, ...)`, which the parallel plan wraps
     for activation checkpointing. Strategies with `supports_kv_cache` also define `prefill` (forward that fills a
@@ -88,12 +89,14 @@ class VisionLanguageModel(nn.Module):
         super().__init__()
         if strategy_options:
             raise TypeError(f"{type(self).__name__} takes no option(s) {', '.join(sorted(strategy_options))}")
-        if encoder_path is None:
-            encoder_path = str(build_tiny_encoder(Path(cache_dir).expanduser() / "vlm" / f"{encoder_kind}-tiny"))
+        # The tower is pretrained: it is loaded with its weights even when the rest is built on the meta device.
+        with torch.device("cpu"):
+            if encoder_path is None:
+                encoder_path = str(build_tiny_encoder(Path(cache_dir).expanduser() / "vlm" / f"{encoder_kind}-tiny"))
+            self.encoder = VisionTower(load_vision_tower(encoder_path))
         self.encoder_path = encoder_path
         self.text_args = text
         self.decoder = Transformer(text)
-        self.encoder = VisionTower(load_vision_tower(encoder_path))
         self.connector = build_connector(connector, self.encoder.width, text.dim, connector_tokens)
         self.use_time_embedding = time_embedding
         self.train_encoder_from_step = train_encoder_from_step
@@ -101,18 +104,34 @@ class VisionLanguageModel(nn.Module):
         # The freeze state travels in the checkpoint (checked on resume against the schedule).
         self.register_buffer("encoder_trainable", torch.zeros((), dtype=torch.bool))
         self.register_buffer("decoder_trainable", torch.ones((), dtype=torch.bool))
-        self.set_step(0)
+        self.apply_freeze(*self.schedule_at(0))
 
     # -- initialisation and freezing --------------------------------------------------------------------------
 
-    def init_weights(self) -> None:
-        """Seeded init of everything but the (pretrained) vision tower."""
-        self.decoder.init_weights()
-        init_connector(self.connector)
-        self.init_extra_weights()
+    def init_specs(self) -> dict[str, InitSpec]:
+        """How each parameter (and initialised buffer) outside the pretrained vision tower starts, by plain name:
+        the decoder's, the connector's and the strategy's own. Each value is then a function of (seed, name, row
+        block) (forge.model.init_spec), so one process and every FSDP shard start from the same weights, and a
+        rank built on the meta device fills only its shards (forge.parallel.init.materialize_sharded)."""
+        return (
+            prefixed("decoder", self.decoder.init_specs())
+            | prefixed("connector", connector_init_specs(self.connector))
+            | self.extra_init_specs()
+        )
 
-    def init_extra_weights(self) -> None:
-        """Strategy-specific parameters (none here)."""
+    def extra_init_specs(self) -> dict[str, InitSpec]:
+        """The strategy's own parameters' specs (none here)."""
+        return {}
+
+    def tie_weights(self) -> bool:
+        return self.decoder.tie_weights()
+
+    def init_buffers(self) -> None:
+        """The decoder's rotary tables and the freeze state at step 0."""
+        self.decoder.init_buffers()
+        enc, dec = self.schedule_at(0)
+        self.encoder_trainable.fill_(enc)
+        self.decoder_trainable.fill_(dec)
 
     def fsdp_units(self) -> list[nn.Module]:
         """Modules to shard as FSDP units (their forward is called directly): blocks and the connector."""
@@ -131,6 +150,11 @@ class VisionLanguageModel(nn.Module):
         """Apply the freeze schedule for training step `step` + 1; True when something changed."""
         enc, dec = self.schedule_at(step)
         changed = bool(self.encoder_trainable) != enc or bool(self.decoder_trainable) != dec
+        self.apply_freeze(enc, dec)
+        return changed
+
+    def apply_freeze(self, enc: bool, dec: bool) -> None:
+        """Make the tower (`enc`) and the decoder (`dec`) trainable or frozen, and record it in the buffers."""
         for p in self.encoder.parameters():
             p.requires_grad_(enc)
         for p in self.decoder_parameters():
@@ -138,7 +162,6 @@ class VisionLanguageModel(nn.Module):
         self.encoder_trainable.fill_(enc)
         self.decoder_trainable.fill_(dec)
         self.encoder.train(self.training and enc)
-        return changed
 
     def check_freeze_state(self, step: int) -> None:
         """After a resume: the saved freeze state must be the schedule's at `step` (else the config changed)."""

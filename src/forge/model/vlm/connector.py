@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forge.model.init_spec import ONES, ZEROS, InitSpec, trunc_normal
+
 POOLING_CONNECTORS = ("avgpool", "attnpool")
 """Connectors that reduce an image's tokens to vlm.connector_tokens."""
 
@@ -77,15 +79,16 @@ def build_connector(kind: str, width: int, dim: int, tokens: int | None) -> nn.M
     raise ValueError(f"vlm.connector={kind!r} is not a connector (forge.config.schema.Connector lists them)")
 
 
-def init_connector(module: nn.Module, std: float = 0.02) -> None:
-    """Seeded initialisation of a connector's weights (biases zero, norms reset)."""
-    for sub in module.modules():
-        if isinstance(sub, nn.Linear):
-            nn.init.trunc_normal_(sub.weight, std=std, a=-3 * std, b=3 * std)
-            nn.init.zeros_(sub.bias)
-        elif isinstance(sub, nn.LayerNorm):
-            sub.reset_parameters()
-        elif isinstance(sub, nn.MultiheadAttention):
-            sub._reset_parameters()
-    if isinstance(module, AttnPoolConnector):
-        nn.init.normal_(module.queries, std=std)
+def connector_init_specs(module: nn.Module, std: float = 0.02) -> dict[str, InitSpec]:
+    """How a connector's parameters start, by name: matrices and attnpool's queries truncated normal (`std`),
+    biases zero, norm weights one."""
+    specs = {}
+    for name, _ in module.named_parameters():
+        owner = module.get_submodule(name.rpartition(".")[0])
+        if name.rpartition(".")[2].endswith("bias"):
+            specs[name] = ZEROS
+        elif isinstance(owner, nn.LayerNorm):
+            specs[name] = ONES
+        else:
+            specs[name] = trunc_normal(std)
+    return specs

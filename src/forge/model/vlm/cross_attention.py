@@ -8,6 +8,7 @@ from torch import nn
 
 from forge.model.args import TransformerArgs
 from forge.model.feed_forward import FeedForward
+from forge.model.init_spec import ONES, ZEROS, InitSpec, prefixed, trunc_normal
 from forge.model.vlm.base import VisionLanguageModel, VLMCache
 
 
@@ -37,14 +38,11 @@ class GatedCrossAttentionBlock(nn.Module):
         x = x + torch.tanh(self.attn_gate) * self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
         return x + torch.tanh(self.ffn_gate) * self.feed_forward(self.ffn_norm(x))
 
-    def init_weights(self, std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv, self.wo):
-            nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
-        self.feed_forward.init_weights(std, std)
-        self.norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        nn.init.zeros_(self.attn_gate)
-        nn.init.zeros_(self.ffn_gate)
+    def init_specs(self, std: float) -> dict[str, InitSpec]:
+        """Projections and FFN truncated normal (`std`), norms one, gates zero (the block starts as identity)."""
+        specs = {f"{name}.weight": trunc_normal(std) for name in ("wq", "wk", "wv", "wo")}
+        specs |= {"norm.weight": ONES, "ffn_norm.weight": ONES, "attn_gate": ZEROS, "ffn_gate": ZEROS}
+        return specs | prefixed("feed_forward", self.feed_forward.init_specs(std, std))
 
 
 class CrossAttentionVLM(VisionLanguageModel):
@@ -66,9 +64,12 @@ class CrossAttentionVLM(VisionLanguageModel):
     def fsdp_units(self) -> list[nn.Module]:
         return [*super().fsdp_units(), *self.cross_layers.values()]
 
-    def init_extra_weights(self) -> None:
-        for block in self.cross_layers.values():
-            block.init_weights(self.text_args.init_std)
+    def extra_init_specs(self) -> dict[str, InitSpec]:
+        std = self.text_args.init_std
+        specs: dict[str, InitSpec] = {}
+        for key, block in self.cross_layers.items():
+            specs |= prefixed(f"cross_layers.{key}", block.init_specs(std))
+        return specs
 
     def forward(
         self,

@@ -15,6 +15,7 @@ from torch import nn
 
 from forge.model.args import TransformerArgs
 from forge.model.feed_forward import FeedForward
+from forge.model.init_spec import InitSpec, prefixed, trunc_normal
 from forge.model.transformer import TransformerBlock
 from forge.model.vlm.base import PrefixVLM, VisionLanguageModel
 
@@ -43,10 +44,11 @@ class ExpertChoiceGroup(nn.Module):
             out = out.scatter_add(1, where, expert(x.gather(1, where)) * weight[..., None].to(x.dtype))
         return out
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.trunc_normal_(self.router.weight, std=std, a=-3 * std, b=3 * std)
-        for expert in self.experts:
-            expert.init_weights(std, out_std)
+    def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
+        specs = {"router.weight": trunc_normal(std)}
+        for index, expert in enumerate(self.experts):
+            specs |= prefixed(f"experts.{index}", expert.init_specs(std, out_std))
+        return specs
 
 
 class MoMaLayer(nn.Module):
@@ -95,11 +97,13 @@ class MoMaVLM(PrefixVLM):
             units += [block.attention, block.feed_forward, layer.text, layer.image]
         return units
 
-    def init_extra_weights(self) -> None:
+    def extra_init_specs(self) -> dict[str, InitSpec]:
         std, out_std = self.init_stds()
-        for layer in self.moma_layers.values():
-            layer.text.init_weights(std, out_std)
-            layer.image.init_weights(std, out_std)
+        specs: dict[str, InitSpec] = {}
+        for key, layer in self.moma_layers.items():
+            specs |= prefixed(f"moma_layers.{key}.text", layer.text.init_specs(std, out_std))
+            specs |= prefixed(f"moma_layers.{key}.image", layer.image.init_specs(std, out_std))
+        return specs
 
     def run_block(
         self, key: str, block: TransformerBlock, h, n_visual: int, valid, cos, sin, mask, cache=None

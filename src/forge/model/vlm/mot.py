@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge.model.args import TransformerArgs
+from forge.model.init_spec import InitSpec, prefixed
 from forge.model.rope import apply_rope
 from forge.model.transformer import KVCache, TransformerBlock
 from forge.model.vlm.base import PrefixVLM
@@ -62,10 +63,12 @@ class MoTVLM(PrefixVLM):
                 units += [attn.wq, attn.wk, attn.wv, attn.wo, block.feed_forward]
         return units
 
-    def init_extra_weights(self) -> None:
+    def extra_init_specs(self) -> dict[str, InitSpec]:
         std, out_std = self.init_stds()
-        for block in self.image_layers.values():
-            block.init_weights(std, out_std)
+        specs: dict[str, InitSpec] = {}
+        for key, block in self.image_layers.items():
+            specs |= prefixed(f"image_layers.{key}", block.init_specs(std, out_std))
+        return specs
 
     def run_block(self, key: str, block, h, n_visual: int, valid, cos, sin, mask, cache=None) -> torch.Tensor:
         return mot_block(block, self.image_layers[key], h, n_visual, cos, sin, mask, cache)
