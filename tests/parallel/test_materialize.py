@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from forge.config import compose, validate
+from forge.metrics.memory import peak_live_tensor_bytes
 from forge.parallel.init import plain_name
 from forge.parallel.mesh import build_mesh
 from forge.parallel.plan import parallelize
@@ -42,13 +43,22 @@ def test_materialize_without_plan_is_refused(monkeypatch):
     ids=["fsdp8", "pp2_fsdp4"],
 )
 def test_materialized_bytes_are_four_per_parameter_rank0_holds(overrides):
-    text = plan.plan_report(compose(overrides), materialize=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        text = plan.plan_report(compose(overrides), materialize=True)
     local = int(re.search(r"rank 0 holds ([\d,]+)", text).group(1).replace(",", ""))
     found = re.search(r"materialized rank 0: ([\d,]+) bytes of float32 parameters \(([\d,]+) parameters\)", text)
     assert found, text
     nbytes, count = (int(n.replace(",", "")) for n in found.groups())
     assert count == local and nbytes == 4 * local
     assert re.search(r"in [\d.]+ s", text)
+    # The plan's initialisation line against the allocator: beyond the shards and buffers, the live tensor bytes
+    # of the plan (nothing but the fill allocates) peak at the host memory it states, and at least at its larger part.
+    buffers = int(re.search(r"and ([\d,]+) bytes of buffers", text).group(1).replace(",", ""))
+    live = peak_live_tensor_bytes(prof)
+    found = re.search(r"beyond the runtime ([\d.]+) MiB \(scratch ([\d.]+) MiB, rotary tables ([\d.]+) MiB\)", text)
+    host, scratch, tables = (float(n) * 2**20 for n in found.groups())
+    rounding = 0.01 * 2**20  # the MiB are printed with two decimals
+    assert max(scratch, tables) - rounding <= live - nbytes - buffers <= host + rounding, text
 
 
 def expected_shard(whole: torch.Tensor, param: DTensor) -> torch.Tensor:

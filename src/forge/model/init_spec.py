@@ -77,6 +77,14 @@ def block_rows(global_shape: Sequence[int]) -> int:
     return max(1, BLOCK_ELEMENTS // math.prod(global_shape[1:]))
 
 
+def scratch_elements(global_shape: Sequence[int]) -> int:
+    """fp32 elements of the scratch `fill_piece_` allocates for a parameter of `global_shape`: two blocks (the
+    values, and the redraws of a truncated normal). The host memory initialisation needs beyond the shards."""
+    if len(global_shape) == 0:
+        return 2
+    return 2 * min(block_rows(global_shape), global_shape[0]) * math.prod(global_shape[1:])
+
+
 def block_seed(seed: int, name: str, block: int) -> int:
     """The generator seed of one block: stable across processes, machines and Python runs (no hash())."""
     digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
@@ -124,7 +132,7 @@ def fill_piece_(
     # One pair of scratch buffers for every block: fresh allocations of this size go to mmap and page faults,
     # which cost more than the drawing on some hosts. fp32 whatever the parameter's dtype: a bf16 draw would give
     # other values than an fp32 one.
-    scratch = torch.empty(2, min(rows, global_shape[0]) * width, dtype=torch.float32)
+    scratch = torch.empty(2, scratch_elements(global_shape) // 2, dtype=torch.float32)
     drawn = 0
     with _one_thread():
         for block in range(first // rows, math.ceil(last / rows)):

@@ -36,6 +36,10 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
     parallelism: their FSDP group); in a pipeline torch's stage then also keeps the stage's parameters
     unsharded through the step, in place of the 2 gathered blocks.
 
+Initialisation (the `initialisation:` line): rank 0's fp32 shards and buffers on the training device, filled one
+parameter at a time from row blocks drawn on the host; beyond them the host holds the larger of one parameter's
+scratch (two fp32 blocks and a block's boolean masks) and the three fp32 rotary tables computed at init.
+
 `--plan --materialize` then allocates rank 0's shards on the CPU and fills them through the real runs' sharded
 initialisation (forge.parallel.init: each rank draws only the row blocks of its shards, no collective), timing it:
 a 70B model on 512 ranks fits in a few GiB of host memory.
@@ -304,6 +308,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
     )
     if args.moe is not None:
         lines.append(_expert_line(args, degrees, model, local, local_experts))
+    lines.append(init_line(parts, local, args))
     if materialize:
         lines.append(materialized)
 
@@ -373,6 +378,24 @@ def _reset_host_peak() -> bool:
     return True
 
 
+def init_line(parts: list, local: int, args) -> str:
+    """What initialisation costs rank 0: its fp32 shards (and buffers) on the training device, filled one parameter
+    at a time from row blocks drawn on the host (forge.parallel.init). Beyond them the host holds the larger of one
+    parameter's scratch (two fp32 blocks, and up to four boolean masks of a block for a truncated normal) and the rotary
+    tables while they are computed (the angles, cos and sin: three fp32 tables)."""
+    from forge.model.init_spec import scratch_elements
+
+    scratch = 4 * max(scratch_elements(p.shape) for part in parts for p in part.parameters())
+    tables = 3 * 4 * args.max_seq_len * args.rope_dim
+    host = max(scratch + scratch // 2, tables)
+    return (
+        f"initialisation: rank 0 allocates its {4 * local / GIB:.2f} GiB of fp32 shards on the training device and "
+        f"fills them from row blocks drawn on the host, one parameter at a time: host memory beyond the runtime "
+        f"{host / 2**20:.2f} MiB (scratch {scratch / 2**20:.2f} MiB, rotary tables {tables / 2**20:.2f} MiB), "
+        "plus the shards themselves when the device is the CPU"
+    )
+
+
 def materialize_rank0(cfg: DictConfig, parts: list, degrees: Degrees) -> str:
     """Allocate rank 0's parallelized `parts` on the CPU and initialise them through the real runs' code path
     (build.materialize_parallel, or materialize_stages under pp); the line reporting bytes, time and host memory."""
@@ -393,7 +416,9 @@ def materialize_rank0(cfg: DictConfig, parts: list, degrees: Degrees) -> str:
     nbytes = sum(t.numel() * t.element_size() for t in params)
     count = sum(t.numel() for t in params)
     dtypes = "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in params}))
-    line = f"materialized rank 0: {nbytes:,} bytes of {dtypes} parameters ({count:,} parameters) in {seconds:.1f} s"
+    buffers = sum(b.numel() * b.element_size() for part in parts for b in part.buffers())
+    line = f"materialized rank 0: {nbytes:,} bytes of {dtypes} parameters ({count:,} parameters) and {buffers:,} "
+    line += f"bytes of buffers in {seconds:.1f} s"
     if rss_before is not None and rss_after is not None and peak is not None:
         bound = "" if exact_peak else "at most "  # without a reset the peak may predate the initialisation
         line += (
