@@ -142,25 +142,45 @@ def test_other_errors_are_left_to_the_caller():
     }
 
 
-def progress_of_rank(rank: int, rank_behind: int) -> str:
-    """Every rank reports its started steps on the board; `rank_behind` stops one step short. Returns the report."""
+def progress_of_rank(rank: int, rank_behind: int) -> tuple[str, list[str]]:
+    """Every rank reports its started steps on the board; `rank_behind` stops one step short. Returns the report
+    and the threads that wrote to the store."""
+    import threading
+
     from forge.resilience.progress import ProgressBoard
 
+    writers: list[str] = []
+
+    class Recording:
+        def __init__(self, store):
+            self.store = store
+
+        def set(self, key, value):
+            writers.append(threading.current_thread().name)
+            self.store.set(key, value)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    client = ProgressBoard.client
+    ProgressBoard.client = lambda board: Recording(client(board))
     board = ProgressBoard()
     last = 5 if rank == rank_behind else 6
     for step in range(1, last + 1):
         board.started(step)
+    assert board.flush()  # the board's thread wrote it
     dist.barrier()
     report = board.report()
     dist.barrier()  # rank 0 serves the store: it must not leave while another rank still reads
-    return report
+    return report, sorted(set(writers))
 
 
 def test_the_progress_board_names_the_rank_that_did_not_start_the_step():
-    """What a firing watchdog adds to its message: read from the job's store, no collective involved."""
+    """What a firing watchdog adds to its message: read from the job's store, no collective involved. The
+    training thread only records its step: the board's own thread writes it (no store round trip in a step)."""
     results = fork_ranks(progress_of_rank, 3, 1, collective_timeout_s=30)
     want = "last started step per rank: 0: 6, 1: 5, 2: 6; rank 1 did not start step 6 (stalled or dead before it)"
-    assert results == {rank: (0, want) for rank in range(3)}
+    assert results == {rank: (0, (want, ["forge-progress"])) for rank in range(3)}
 
 
 def test_progress_described_when_nobody_is_behind_or_nothing_started():

@@ -3,9 +3,14 @@ rank is behind instead of only that its own step is late.
 
 A stalled rank holds the others inside a collective of the step it never joined; every rank's watchdog then fires
 at about the same time. The ranks that started a later step than another are waiting for it: the board names the
-ones behind. One store write per step and rank (a small TCP message to the store).
+ones behind.
+
+The training step only records the number (`started`); a thread of the board's own writes it to the store over a
+connection of its own (torch's store client is not safe to share between threads), so no step waits on a TCP round
+trip to the store's host. The write follows within milliseconds, long before any watchdog fires.
 """
 
+import datetime
 import logging
 import threading
 
@@ -16,33 +21,77 @@ log = logging.getLogger("forge")
 _KEY = "forge/progress/{rank}"
 
 
-class ProgressBoard:
-    """A no-op in a single process (or without a default store)."""
+def _tcp_store(store):
+    """The TCPStore under the default store's prefixes, or None (a file or hash store: no server to connect to)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, dist.TCPStore) else None
 
-    def __init__(self):
-        self.store = None
+
+class ProgressBoard:
+    """A no-op in a single process (or without a TCP store to connect to)."""
+
+    def __init__(self, timeout_s: float = 30.0):
+        self.server: tuple[str, int] | None = None
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.latest: int | None = None  # the newest started step
+        self.written: int | None = None  # the newest one in the store
+        self.changed = threading.Condition()
         if dist.is_initialized() and dist.get_world_size() > 1:
             try:
-                self.store = dist.distributed_c10d._get_default_store()
+                tcp = _tcp_store(dist.distributed_c10d._get_default_store())
             except (RuntimeError, ValueError) as err:  # no store: the watchdog names only its own rank
+                tcp = None
                 log.debug("no default store for the progress board: %s", err)
+            if tcp is not None:
+                self.server = (tcp.host, tcp.port)
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.server is not None:
+            threading.Thread(target=self._write_loop, name="forge-progress", daemon=True).start()
+
+    def client(self) -> dist.TCPStore:
+        """A connection of the calling thread's own to the job's store."""
+        host, port = self.server
+        return dist.TCPStore(host, port, is_master=False, timeout=self.timeout, wait_for_workers=False)
 
     def started(self, step: int) -> None:
-        if self.store is not None:
-            self.store.set(_KEY.format(rank=self.rank), str(step))
+        """Record that this rank started `step`; the board's thread writes it."""
+        if self.server is not None:
+            with self.changed:
+                self.latest = step
+                self.changed.notify_all()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the newest started step is in the store; False if it is not within `timeout_s`."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.written == self.latest, timeout_s)
+
+    def _write_loop(self) -> None:
+        try:
+            store = self.client()
+            while True:
+                with self.changed:
+                    self.changed.wait_for(lambda: self.latest != self.written)
+                    step = self.latest
+                store.set(_KEY.format(rank=self.rank), str(step))
+                with self.changed:
+                    self.written = step
+                    self.changed.notify_all()
+        except Exception as err:  # the store's host is gone (rank 0 died): nothing left to tell
+            log.debug("progress board: %s", err)
 
     def last_started(self) -> dict[int, int | None]:
         """Each rank's last started step (None: not a step yet)."""
+        store = self.client()
         steps: dict[int, int | None] = {}
         for rank in range(self.world):
             key = _KEY.format(rank=rank)
-            steps[rank] = int(self.store.get(key)) if self.store.check([key]) else None
+            steps[rank] = int(store.get(key)) if store.check([key]) else None
         return steps
 
     def report(self, timeout_s: float = 10.0) -> str:
         """One line on who is behind, read within `timeout_s` (the store may be gone with a dead rank 0)."""
-        if self.store is None:
+        if self.server is None:
             return ""
         result: list[str] = []
         reader = threading.Thread(target=lambda: result.append(describe(self.last_started())), daemon=True)
