@@ -81,7 +81,10 @@ def load_and_compare(overrides: list[str], root: str, folder: Path, tokens, want
     held = local_numel(trainer.model)  # before any forward: FSDP leaves the root unsharded after one
     if trainer.pipeline is None:
         with torch.no_grad():
-            diff = (trainer.model.eval()(tokens) - want).abs().max().item()
+            logits = trainer.model.eval()(tokens)
+        if isinstance(logits, DTensor):  # tensor parallelism leaves them split over the vocabulary
+            logits = logits.full_tensor()
+        diff = (logits - want).abs().max().item()
     else:  # a stage has no logits: its weights against the one-process loader's (itself checked against HF)
         reference = forge.load_pretrained(folder).state_dict()
         held_weights = [item for part in trainer.pipeline.parts for item in part.state_dict().items()]

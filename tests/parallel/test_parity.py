@@ -112,3 +112,48 @@ def test_per_block_compile_matches_one_process(layout, tmp_path, reference):
     run = curves(tmp_path)
     for key in ("loss", "grad_norm", "val_loss"):
         assert run[key] == pytest.approx(reference[key], rel=COMPILE_RTOL), key
+
+
+Z_LOSS = ["loss=z_loss", "loss.z_loss_weight=1e-2"]
+
+
+def split_logits(root: str) -> dict:
+    """Under tp2: the head's logits as the loss sees them, and what the z-loss's logsumexp of them moves."""
+    from pathlib import Path
+
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from forge.config import compose
+    from forge.train.losses import logsumexp
+    from forge.train.trainer import Trainer
+
+    trainer = Trainer(compose([*TINY, "parallel=tp2", "train.micro_batch_size=8"]), Path(root))
+    tokens = torch.arange(2 * 16).view(2, 16) % trainer.model.args.vocab_size
+    logits = trainer.model(tokens)
+    with CommDebugMode() as comm:
+        lse = logsumexp(logits.float())
+    whole = logits.full_tensor()
+    return {
+        "placements": [str(p) for p in logits.placements],
+        "local_vocab": logits.to_local().shape[-1],
+        "vocab": trainer.model.args.vocab_size,
+        "collectives": sorted(str(op) for op in comm.get_comm_counts()),
+        "lse_error": (lse - torch.logsumexp(whole.float(), dim=-1)).abs().max().item(),
+    }
+
+
+def test_tensor_parallel_logits_stay_split_over_the_vocabulary(tmp_path):
+    """No rank holds (or gathers) the tokens x vocab logits: each has its vocab / tp columns, and the z-loss's
+    logsumexp combines the shards' statistics with all-reduces of one number per token."""
+    rank0 = launch(split_logits, 2, str(tmp_path))[0]
+    assert rank0["placements"] == ["S(2)"] and rank0["local_vocab"] * 2 == rank0["vocab"]
+    assert rank0["collectives"] == ["c10d_functional.all_reduce"]
+    assert rank0["lse_error"] < 1e-5
+
+
+def test_tp2_with_z_loss_matches_one_process(tmp_path):
+    """Cross-entropy (torch's loss_parallel) and the z-loss over vocabulary-split logits train like one process."""
+    one = launch(run_scenarios, 1, {"one": [*REFERENCE["single"], *Z_LOSS]}, str(tmp_path / "one"))[0]["one"]
+    two = launch(run_scenarios, 2, {"tp2": [*TWO_RANKS["tp2"], *Z_LOSS]}, str(tmp_path / "two"))[0]["tp2"]
+    assert_same_curves(two, one)

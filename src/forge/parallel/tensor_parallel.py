@@ -20,7 +20,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
 
     Attention reshapes with -1 heads, so each rank runs attention on its own heads unchanged. The residual stream
     stays a DTensor sharded along the sequence (so the model still sees the global sequence length, which sizes
-    its rotary tables); the logits come back replicated as a plain tensor (the loss needs no change).
+    its rotary tables). The logits stay split over the vocabulary (a DTensor sharded on its last dim): no rank
+    holds the (tokens x vocab) logits, the largest activation at a 128k vocabulary, and none is all-gathered; the
+    losses compute softmax statistics over the shards (forge.train.losses, under `loss_parallel`).
     """
     root_plan = {}
     if model.tok_embeddings is not None:
@@ -30,7 +32,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
     if model.norm is not None:
         root_plan["norm"] = SequenceParallel()
     if model.output is not None:
-        root_plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        root_plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, tp_mesh, root_plan)
     model.tie_weights()  # both splits are Shard(0) of the (vocab, dim) matrix: one DTensor serves both
     for block in model.layers.values():
@@ -63,5 +65,6 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
         else:
             raise NotImplementedError("tensor parallelism of MoE feed-forward layers is not implemented yet")
         parallelize_module(block, tp_mesh, plan)
-    detail = f"tensor parallel over {tp_mesh.size()} ranks: embedding, {len(model.layers)} blocks, norm, output"
+    detail = f"tensor parallel over {tp_mesh.size()} ranks: embedding, {len(model.layers)} blocks, norm, output "
+    detail += "(logits split over the vocabulary)"
     return logged(Applied("tp", detail, {"tp": tp_mesh.size()}))

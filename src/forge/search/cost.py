@@ -19,7 +19,9 @@ head, on the last stage) from forge.metrics.flops:
                  and the backward hide the rest
     tp         = n x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
                  all-reduces (as sequence-parallel all-gather + reduce-scatter) of micro x seq_len x dim
-                 activations, 2 (tp - 1) / tp of them per rank, and the logits gathered on the last stage, not hidden
+                 activations, 2 (tp - 1) / tp of them per rank, and on the last stage the cross-entropy's three
+                 all-reduces of one fp32 number per token (the logits stay split over the vocabulary), plus
+                 the all-reduce of the replicated norm weights' gradients, not hidden
     cp         = n x blocks x (2, or 3 with full or selective checkpointing: selective recomputes the
                  collective too) passes over the keys and values (all-gathers forward and in the recompute,
                  reduce-scatters of their gradients backward) of micro x seq_len x
@@ -255,9 +257,17 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             t_share = (layout.tp - 1) / layout.tp
             reduces = len(blocks) * per_tp + first + last  # + the embedding's output, the head's input
             elems = reduces * 2 * t_share * micro_tokens * args.dim
-            elems += t_share * micro_tokens * args.vocab_size if last else 0  # the logits, gathered
-            moved["tp"] = n_micro * elems * act_bytes
-            seconds, lat = links.seconds("tp", moved["tp"], n_micro * reduces * 2)
+            # vocabulary-parallel cross-entropy: the max, the sum of exponentials and the label's logit per token
+            loss_bytes = 3 * 2 * t_share * micro_tokens * 4 if last else 0
+            # the replicated norm weights' gradients, all-reduced after each micro-batch's backward (in the
+            # gathered dtype under FSDP's mixed precision, else fp32)
+            norms = len(blocks) * (2 * args.dim + (2 * args.head_size if args.qk_norm else 0)) + (
+                args.dim if last else 0
+            )
+            norm_bytes = 2 * t_share * norms * (act_bytes if shard > 1 else 4)
+            moved["tp"] = n_micro * (elems * act_bytes + loss_bytes + norm_bytes)
+            calls = reduces * 2 + (3 if last else 0) + len(blocks) * 2 + (1 if last else 0)
+            seconds, lat = links.seconds("tp", moved["tp"], n_micro * calls)
             t["tp"] = seconds
             latency += lat
         if layout.cp > 1:

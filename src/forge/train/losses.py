@@ -4,6 +4,11 @@ A loss is called as `loss(model, inputs, labels, attn_mask)` inside the step's a
 backpropagate; `model(inputs, attn_mask=..., head=...)` is forge's Transformer, or a VLM through the VLM step's
 MediaModel, so every loss trains every model. Labels of -100 are ignored; every mean is over the labelled tokens.
 
+Under tensor parallelism the head leaves the logits split over the vocabulary (a DTensor): cross-entropy and the
+z-loss's logsumexp then combine each shard's softmax statistics (one number per token per all-reduce) under
+torch's `loss_parallel`, which the step opens around the loss's forward and backward (`loss_context`), and return
+plain tensors. No rank holds or gathers the whole logits.
+
 z-loss (PaLM, Chowdhery et al. 2022): z_loss_weight * mean(logsumexp(logits)^2) keeps the softmax normaliser
 near 1 (log Z near 0), which stabilises bf16 training of large vocabularies.
 
@@ -14,6 +19,7 @@ only scales them), so the head costs the same matmuls as the plain path while th
 drops from several (tokens x vocab) fp32 tensors to two of (chunk x vocab).
 """
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,6 +27,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
 
 IGNORE_INDEX = -100
 
@@ -37,15 +45,39 @@ class Loss(Protocol):
         ...
 
 
+def vocab_parallel(logits: torch.Tensor) -> bool:
+    """The logits are split over the vocabulary (tensor parallelism's head): a DTensor sharded on its last dim."""
+    return isinstance(logits, DTensor) and any(p.is_shard(logits.dim() - 1) for p in logits.placements)
+
+
+def loss_context(logits_split: bool) -> contextlib.AbstractContextManager:
+    """What the forward and the backward of a loss over vocabulary-split logits run under: torch's `loss_parallel`
+    (cross-entropy from the shards' softmax statistics, without gathering the logits); else nothing."""
+    return loss_parallel() if logits_split else contextlib.nullcontext()
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32 (labels of -100 are ignored)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    """Mean token cross-entropy in fp32 (labels of -100 are ignored). Vocabulary-split logits need
+    `loss_context(True)` around the forward and the backward; the result is then a plain tensor too."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim; of vocabulary-split logits from each shard's max and sum of exponentials (two
+    all-reduces of one number per token), a plain tensor either way."""
+    if not vocab_parallel(logits):
+        return torch.logsumexp(logits, dim=-1)
+    whole = [Replicate()] * logits.device_mesh.ndim
+    top = logits.detach().amax(dim=-1, keepdim=True).redistribute(placements=whole)
+    total = (logits - top).exp().sum(dim=-1).redistribute(placements=whole)
+    return (top.squeeze(-1) + total.log()).full_tensor()
 
 
 def z_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean of logsumexp(logits)^2 over the labelled tokens (PaLM's z-loss, unweighted)."""
     valid = (labels != IGNORE_INDEX).flatten()
-    lse = torch.logsumexp(logits.float().flatten(0, 1), dim=-1)
+    lse = logsumexp(logits.float().flatten(0, 1))
     return (lse.square() * valid).sum() / valid.sum().clamp(min=1)
 
 

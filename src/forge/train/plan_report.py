@@ -15,18 +15,19 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
       the activations)
     activations: in-flight micro-batch tokens T = micro_batch_size x seq_len (x in-flight pipeline micro-batches),
       one pipeline chunk's tokens T_c (T without a pipeline)
-        no checkpointing:    T x (L_r x block + head) + T_c x 2 V
-        full checkpointing:  T x L_r x d / tp + max(T x head + T_c x 2 V, T_c x block + (T - T_c) x head)
+        no checkpointing:    T x (L_r x block + head) + T_c x 2 V / tp
+        full checkpointing:  T x L_r x d / tp + max(T x head + T_c x 2 V / tp, T_c x block + (T - T_c) x head)
       times bytes, where block = (7 d + 2 kv + 4 f) / tp (+ 2 d under tp: the all-gathered inputs of the
-      attention and the MLP that their matmuls keep) and head = 2 d / tp (+ d under tp) + 2 V on the last stage
-      (final norm input and output, the logits, replicated under tp, and their fp32 log-softmax; a chunk's
-      backward starts with the gradients of both, the T_c x 2 V). L_r are the rank's blocks, d the model width,
-      kv the key/value width, f the MLP hidden width (in an MoE block the hidden width each token passes
-      through: expert size x (top_k + shared experts), averaged over the blocks); a model.head_dim that sets the
-      query width q apart from d counts 4 d + 3 q in place of 7 d; bytes = 2 under bf16 autocast, 4 in fp32. Per
-      block, autograd keeps: the two norms' inputs and outputs (4 d), q, k, v and the attention output for SDPA
-      (2 d + 2 kv), the re-laid-out attention output fed to wo (d), and the SwiGLU's w1, w3, silu outputs and
-      their product (4 f). Selective checkpointing is estimated as none.
+      attention and the MLP that their matmuls keep) and head = 2 d / tp (+ d under tp) + 2 V / tp on the last
+      stage (final norm input and output, the logits, split over the vocabulary under tp, and their fp32
+      log-softmax; a chunk's backward starts with the gradients of both, the T_c x 2 V / tp). L_r are the
+      rank's blocks, d the model width, kv the key/value width, f the MLP hidden width (in an MoE block the
+      hidden width each token passes through: expert size x (top_k + shared experts), averaged over the
+      blocks); a model.head_dim that sets the query width q apart from d counts 4 d + 3 q in place of 7 d;
+      bytes = 2 under bf16 autocast, 4 in fp32. Per block, autograd keeps: the two norms' inputs and outputs
+      (4 d), q, k, v and the attention output for SDPA (2 d + 2 kv), the re-laid-out attention output fed to wo
+      (d), and the SwiGLU's w1, w3, silu outputs and their product (4 f). Selective checkpointing is estimated as
+      none.
     With context parallelism (cp > 1) T is the rank's seq_len / cp tokens, each block also keeps the other cp ranks'
     keys and values (+ 2 kv (cp - 1) per token). Under a dense mask (context parallelism, or document masking or
     a sliding window with SDPA) the boolean micro_batch_size x seq_len / cp x seq_len mask lives through the forward
@@ -178,10 +179,10 @@ def estimate_memory(
     tokens = micro_batch_size * seq_len * in_flight / cp
     chunk_tokens = micro_batch_size * seq_len / cp / chunks
     gathered = 1 if tp > 1 else 0  # sequence parallel: each matmul keeps its all-gathered (whole) input
-    # the final norm's input and output, the logits (replicated under tp) and their log-softmax; a chunk's
-    # backward starts with the gradients of both
-    head = (2 * args.dim / tp + gathered * args.dim + 2 * args.vocab_size) if has_head else 0
-    head_grads = chunk_tokens * 2 * args.vocab_size if has_head else 0
+    # the final norm's input and output, the logits (split over the vocabulary under tp) and their log-softmax; a
+    # chunk's backward starts with the gradients of both
+    head = (2 * args.dim / tp + gathered * args.dim + 2 * args.vocab_size / tp) if has_head else 0
+    head_grads = chunk_tokens * 2 * args.vocab_size / tp if has_head else 0
     # context parallel: SDPA keeps the whole sequence's keys and values (cp x the rank's own)
     block = (block_activation_elems(args) + saved_kv_width(args) * (cp - 1)) / tp + gathered * 2 * args.dim
     # a dense mask: the boolean (seq / cp x seq) mask per sample lives through the forward, and each block's SDPA

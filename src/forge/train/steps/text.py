@@ -13,7 +13,7 @@ from forge.model.moe import router_losses
 from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.grads import clip_grad_norm, set_gradient_sync
 from forge.parallel.mesh import sum_over_token_ranks, token_ranks
-from forge.train.losses import IGNORE_INDEX, CrossEntropyLoss, Loss
+from forge.train.losses import IGNORE_INDEX, CrossEntropyLoss, Loss, loss_context
 from forge.train.precision import autocast
 
 EVAL_LOSS = CrossEntropyLoss()
@@ -48,6 +48,8 @@ class TextStep:
         self.defer_grad_sync = defer_grad_sync
         self.train_loss = train_loss
         self.context = context
+        # tensor parallelism leaves the logits split over the vocabulary: each loss runs under loss_parallel
+        self.logits_split = mesh is not None and "tp" in (mesh.mesh_dim_names or ())
 
     def labels(self, batch: Batch) -> torch.Tensor:
         return batch[1] if self.context is None else self.context.labels(batch[1])
@@ -75,8 +77,9 @@ class TextStep:
         for micro, batch in enumerate(batches):
             if self.defer_grad_sync:
                 set_gradient_sync(self.model, micro == len(batches) - 1)
-            loss = self.train_loss(batch)
-            (loss * weights[micro] + router_losses(self.model) / len(batches)).backward()
+            with loss_context(self.logits_split):
+                loss = self.train_loss(batch)
+                (loss * weights[micro] + router_losses(self.model) / len(batches)).backward()
             loss_sum += loss.detach() * counts[micro]
         return loss_sum, counts.sum()
 
@@ -90,7 +93,8 @@ class TextStep:
         total, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for batch in batches:
             count = self.labelled_tokens(batch).to(self.device)
-            total += self.batch_loss(batch, EVAL_LOSS) * count
+            with loss_context(self.logits_split):
+                total += self.batch_loss(batch, EVAL_LOSS) * count
             tokens += count
         self.model.train(was_training)
         return total, tokens
