@@ -22,6 +22,7 @@ from forge.model.args import TransformerArgs
 from forge.model.vlm import CrossAttentionVLM, JointDecoderVLM, MoTVLM
 from forge.model.vlm.base import VLMCache
 from forge.model.vlm.encoder import build_tiny_encoder
+from forge.parallel.init import materialize_sharded
 
 STRATEGIES = {"joint_decoder": JointDecoderVLM, "mot": MoTVLM, "cross_attention": CrossAttentionVLM}
 SCHEMAS = {JointDecoderVLM: VLMConfig, MoTVLM: VLMConfig, CrossAttentionVLM: CrossAttentionVLMConfig}
@@ -69,9 +70,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         encoder = str(build_tiny_encoder(Path(tmp) / "clip"))
         for name, cls in STRATEGIES.items():
-            torch.manual_seed(0)
-            model = cls(text, **options(SCHEMAS[cls], encoder_path=encoder)).eval()
-            model.init_weights()
+            with torch.device("meta"):  # as training builds it: everything but the loaded tower, then filled
+                model = cls(text, **options(SCHEMAS[cls], encoder_path=encoder))
+            materialize_sharded(model, model, 0, torch.device("cpu"))
+            model.eval()
             if name == "cross_attention":  # open the gates so the clip matters
                 for block in model.cross_layers.values():
                     block.attn_gate.data.fill_(1.0)

@@ -119,5 +119,6 @@ class StepGuard:
     def close(self) -> None:
         if self.watchdog:
             self.watchdog.stop()
+        self.progress.close()
         self.preemption.restore()
         self.liveness.close()

@@ -37,6 +37,7 @@ class ProgressBoard:
         self.latest: int | None = None  # the newest started step
         self.written: int | None = None  # the newest one in the store
         self.changed = threading.Condition()
+        self.closed = False
         if dist.is_initialized() and dist.get_world_size() > 1:
             try:
                 tcp = _tcp_store(dist.distributed_c10d._get_default_store())
@@ -66,19 +67,31 @@ class ProgressBoard:
         with self.changed:
             return self.changed.wait_for(lambda: self.written == self.latest, timeout_s)
 
+    def close(self) -> None:
+        """Stop the board's thread (it drops its connection)."""
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+
     def _write_loop(self) -> None:
+        """The board's thread: clear what an earlier attempt of the job left under this rank's key, then write each
+        newest started step until closed."""
+        key = _KEY.format(rank=self.rank)
         try:
             store = self.client()
+            store.delete_key(key)  # a restarted job's store may still hold the last attempt's step
             while True:
                 with self.changed:
-                    self.changed.wait_for(lambda: self.latest != self.written)
+                    self.changed.wait_for(lambda: self.closed or self.latest != self.written)
+                    if self.closed:
+                        return
                     step = self.latest
-                store.set(_KEY.format(rank=self.rank), str(step))
+                store.set(key, str(step))
                 with self.changed:
                     self.written = step
                     self.changed.notify_all()
-        except Exception as err:  # the store's host is gone (rank 0 died): nothing left to tell
-            log.debug("progress board: %s", err)
+        except Exception as err:  # the store's host is gone (rank 0 died, or the job ends): the board goes quiet
+            log.warning("progress board: rank %d stopped reporting its steps: %s", self.rank, err)
 
     def last_started(self) -> dict[int, int | None]:
         """Each rank's last started step (None: not a step yet)."""

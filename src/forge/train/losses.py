@@ -20,7 +20,7 @@ drops from several (tokens x vocab) fp32 tensors to two of (chunk x vocab).
 """
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,7 +53,19 @@ def vocab_parallel(logits: torch.Tensor) -> bool:
 def loss_context(logits_split: bool) -> contextlib.AbstractContextManager:
     """What the forward and the backward of a loss over vocabulary-split logits run under: torch's `loss_parallel`
     (cross-entropy from the shards' softmax statistics, without gathering the logits); else nothing."""
-    return loss_parallel() if logits_split else contextlib.nullcontext()
+    return _loss_parallel() if logits_split else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _loss_parallel() -> Iterator[None]:
+    """torch's `loss_parallel`, whose custom ops are switched off again when the body raises (torch's own context
+    leaves them on then)."""
+    context = loss_parallel()
+    context.__enter__()
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ from omegaconf import DictConfig, OmegaConf
 from forge.config import validate
 from forge.config.degrees import Degrees, resolve_degrees
 from forge.metrics.flops import attention_flops
+from forge.model.args import TransformerArgs
 from forge.parallel.applied import Applied
 
 GIB = 2**30
@@ -379,7 +380,7 @@ def _reset_host_peak() -> bool:
     return True
 
 
-def init_line(parts: list, local: int, args) -> str:
+def init_line(parts: list, local: int, args: TransformerArgs) -> str:
     """What initialisation costs rank 0: its fp32 shards (and buffers) on the training device, filled one parameter
     at a time from row blocks drawn on the host (forge.parallel.init). Beyond them the host holds the larger of one
     parameter's scratch (two fp32 blocks, and up to four boolean masks of a block for a truncated normal) and the rotary

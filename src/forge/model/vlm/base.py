@@ -6,6 +6,7 @@ for real frames (an image is one frame; padded video frames are False), and fram
 Each frame becomes `connector` tokens; tokens of padded frames are zeroed and never attended to.
 """
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -90,7 +91,8 @@ class VisionLanguageModel(nn.Module):
         if strategy_options:
             raise TypeError(f"{type(self).__name__} takes no option(s) {', '.join(sorted(strategy_options))}")
         # The tower is pretrained: it is loaded with its weights even when the rest is built on the meta device.
-        with torch.device("cpu"):
+        on_meta = torch.get_default_device().type == "meta"
+        with torch.device("cpu") if on_meta else contextlib.nullcontext():
             if encoder_path is None:
                 encoder_path = str(build_tiny_encoder(Path(cache_dir).expanduser() / "vlm" / f"{encoder_kind}-tiny"))
             self.encoder = VisionTower(load_vision_tower(encoder_path))
@@ -124,6 +126,7 @@ class VisionLanguageModel(nn.Module):
         return {}
 
     def tie_weights(self) -> bool:
+        """Tie the decoder's head to its embedding (after anything that re-creates parameters); see Transformer."""
         return self.decoder.tie_weights()
 
     def init_buffers(self) -> None:

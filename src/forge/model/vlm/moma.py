@@ -45,6 +45,7 @@ class ExpertChoiceGroup(nn.Module):
         return out
 
     def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
+        """The router truncated normal (`std`), each expert as a block's FFN."""
         specs = {"router.weight": trunc_normal(std)}
         for index, expert in enumerate(self.experts):
             specs |= prefixed(f"experts.{index}", expert.init_specs(std, out_std))
