@@ -132,9 +132,7 @@ class VisionLanguageModel(nn.Module):
     def init_buffers(self) -> None:
         """The decoder's rotary tables and the freeze state at step 0."""
         self.decoder.init_buffers()
-        enc, dec = self.schedule_at(0)
-        self.encoder_trainable.fill_(enc)
-        self.decoder_trainable.fill_(dec)
+        self.record_freeze(*self.schedule_at(0))
 
     def fsdp_units(self) -> list[nn.Module]:
         """Modules to shard as FSDP units (their forward is called directly): blocks and the connector."""
@@ -162,9 +160,13 @@ class VisionLanguageModel(nn.Module):
             p.requires_grad_(enc)
         for p in self.decoder_parameters():
             p.requires_grad_(dec)
+        self.record_freeze(enc, dec)
+        self.encoder.train(self.training and enc)
+
+    def record_freeze(self, enc: bool, dec: bool) -> None:
+        """The freeze state in the buffers that travel in the checkpoint."""
         self.encoder_trainable.fill_(enc)
         self.decoder_trainable.fill_(dec)
-        self.encoder.train(self.training and enc)
 
     def check_freeze_state(self, step: int) -> None:
         """After a resume: the saved freeze state must be the schedule's at `step` (else the config changed)."""
