@@ -188,4 +188,18 @@ def test_progress_described_when_nobody_is_behind_or_nothing_started():
 
     assert "every rank started step 4, so the stall is inside it" in describe({0: 4, 1: 4})
     assert describe({0: None, 1: 3}).endswith("rank 0 did not start step 3 (stalled or dead before it)")
-    assert describe({0: None, 1: None}) == "last started step per rank: 0: -, 1: -"
+    assert describe({0: None, 1: None}) == "last started step per rank: 0-1: -"
+
+
+def test_progress_of_512_ranks_fits_one_short_line():
+    """At scale the report groups runs of ranks at the same step: one stalled rank of 512 is named in a line of
+    a few dozen characters, not 512 entries."""
+    from forge.resilience.progress import describe
+
+    steps: dict[int, int | None] = {rank: 1200 for rank in range(512)}
+    steps[256] = 1199
+    steps[300] = steps[301] = None
+    assert describe(steps) == (
+        "last started step per rank: 0-255: 1200, 256: 1199, 257-299: 1200, 300-301: -, 302-511: 1200; "
+        "ranks 256, 300-301 did not start step 1200 (stalled or dead before it)"
+    )

@@ -79,7 +79,7 @@ class ProgressBoard:
         key = _KEY.format(rank=self.rank)
         try:
             store = self.client()
-            store.delete_key(key)  # a restarted job's store may still hold the last attempt's step
+            store.set(key, "")  # no step yet: a restarted job's store may still hold the last attempt's step
             while True:
                 with self.changed:
                     self.changed.wait_for(lambda: self.closed or self.latest != self.written)
@@ -94,13 +94,15 @@ class ProgressBoard:
             log.warning("progress board: rank %d stopped reporting its steps: %s", self.rank, err)
 
     def last_started(self) -> dict[int, int | None]:
-        """Each rank's last started step (None: not a step yet)."""
+        """Each rank's last started step (None: not a step yet). Every board writes its key when it starts, so one
+        check and one multi_get read them all; only when a rank never got that far is each key read on its own."""
         store = self.client()
-        steps: dict[int, int | None] = {}
-        for rank in range(self.world):
-            key = _KEY.format(rank=rank)
-            steps[rank] = int(store.get(key)) if store.check([key]) else None
-        return steps
+        keys = [_KEY.format(rank=rank) for rank in range(self.world)]
+        if store.check(keys):
+            values = [value.decode() for value in store.multi_get(keys)]
+        else:
+            values = [store.get(key).decode() if store.check([key]) else "" for key in keys]
+        return {rank: int(value) if value else None for rank, value in enumerate(values)}
 
     def report(self, timeout_s: float = 10.0) -> str:
         """One line on who is behind, read within `timeout_s` (the store may be gone with a dead rank 0)."""
@@ -114,8 +116,15 @@ class ProgressBoard:
 
 
 def describe(steps: dict[int, int | None]) -> str:
-    """Which ranks have not started the newest step any rank started."""
-    shown = ", ".join(f"{rank}: {'-' if step is None else step}" for rank, step in sorted(steps.items()))
+    """Which ranks have not started the newest step any rank started. Runs of ranks at the same step are shown as
+    one range, so that 512 ranks with one behind make a short line."""
+    runs: list[tuple[list[int], int | None]] = []
+    for rank, step in sorted(steps.items()):
+        if runs and runs[-1][1] == step and runs[-1][0][-1] == rank - 1:
+            runs[-1][0].append(rank)
+        else:
+            runs.append(([rank], step))
+    shown = ", ".join(f"{rank_ranges(ranks)}: {'-' if step is None else step}" for ranks, step in runs)
     started = [step for step in steps.values() if step is not None]
     if not started:
         return f"last started step per rank: {shown}"
@@ -126,5 +135,16 @@ def describe(steps: dict[int, int | None]) -> str:
             f"last started step per rank: {shown}; every rank started step {newest}, so the stall is inside it (a "
             "rank whose main thread is not in a collective is holding the others)"
         )
-    who = ("rank " if len(behind) == 1 else "ranks ") + ", ".join(map(str, behind))
+    who = ("rank " if len(behind) == 1 else "ranks ") + rank_ranges(behind)
     return f"last started step per rank: {shown}; {who} did not start step {newest} (stalled or dead before it)"
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """Sorted ranks as ranges: [0, 1, 2, 5] -> '0-2, 5'."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and spans[-1][1] == rank - 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
