@@ -1,11 +1,12 @@
 """Peak host memory (VmHWM) per rank: one process vs 4 FSDP ranks training the same model and global batch.
 
-    python benchmarks/memory/host_peak.py [--model llama_125m] [--ranks 4] [--steps 2]
+    python benchmarks/memory/host_peak.py [--model llama_125m] [--ranks 4] [--steps 2] [--also-adaptive]
 
 Each process of the run is the real `forge-train`, started through this file so that it writes its own VmHWM
 (the high-water mark of its resident set, /proc/self/status) when it exits. Sharded initialisation, FSDP and the
 automatic micro-batch (global batch / ranks) should leave the busiest of 4 ranks well under one process's peak;
-the ratio is printed. CPU flags are printed too, since bf16 runs differ by machine.
+the ratio is printed. CPU flags are printed too, since bf16 runs differ by machine. `--also-adaptive` repeats both
+runs with glibc's adaptive mmap threshold (train.cpu_mmap_threshold_mib=0), where freed tensors stay in the heap.
 """
 
 import argparse
@@ -37,11 +38,9 @@ def child() -> None:
     main()
 
 
-def run(ranks: int, overrides: list[str], folder: Path, mmap_threshold: int | None) -> list[int]:
+def run(ranks: int, overrides: list[str], folder: Path) -> list[int]:
     folder.mkdir(parents=True)
     env = {**os.environ, "FORGE_VMHWM_DIR": str(folder), "OMP_NUM_THREADS": "1"}
-    if mmap_threshold:  # glibc: a fixed threshold, so freed large tensors go back to the OS instead of the heap
-        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     me = [str(Path(__file__).resolve()), "--child"]
     cmd = [sys.executable, *me] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *me]  # fmt: skip
@@ -55,25 +54,26 @@ def main() -> None:
     parser.add_argument("--model", default="llama_125m")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument(
-        "--mmap-threshold", type=int, default=None, help="MALLOC_MMAP_THRESHOLD_ (bytes) for both runs; default glibc's"
-    )
+    parser.add_argument("--also-adaptive", action="store_true", help="also with glibc's adaptive mmap threshold")
     args = parser.parse_args()
     overrides = [f"model={args.model}", f"train.steps={args.steps}", "train.eval_batches=1", "train.dtype=fp32",
                  "train.eval_every=0", "metrics.console=quiet"]  # fmt: skip
     flags = subprocess.run(
         "grep -o 'avx512_bf16\\|amx_bf16' /proc/cpuinfo | sort -u", shell=True, capture_output=True, text=True
     ).stdout.split()
-    with tempfile.TemporaryDirectory() as tmp:
-        one = run(1, overrides, Path(tmp) / "one", args.mmap_threshold)
-        many = run(args.ranks, [*overrides, "parallel=fsdp"], Path(tmp) / "many", args.mmap_threshold)
+    print(f"CPU bf16 flags: {' '.join(flags) or 'none'}; model {args.model}, global batch 8, {args.steps} steps")
+    mallocs = {"forge's default (train.cpu_mmap_threshold_mib=16)": []}
+    if args.also_adaptive:
+        mallocs["glibc's adaptive threshold (train.cpu_mmap_threshold_mib=0)"] = ["train.cpu_mmap_threshold_mib=0"]
     gib = 2**20
-    malloc = f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else "glibc's default malloc"
-    cpu = " ".join(flags) or "none"
-    print(f"CPU bf16 flags: {cpu}; model {args.model}, global batch 8, {args.steps} steps, {malloc}")
-    print(f"one process: VmHWM {one[0] / gib:.2f} GiB")
-    print(f"{args.ranks} FSDP ranks: VmHWM " + ", ".join(f"{k / gib:.2f}" for k in many) + " GiB")
-    print(f"busiest rank / one process: {max(many) / one[0]:.2f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for number, (malloc, extra) in enumerate(mallocs.items()):
+            one = run(1, [*overrides, *extra], Path(tmp) / f"one{number}")
+            many = run(args.ranks, [*overrides, *extra, "parallel=fsdp"], Path(tmp) / f"many{number}")
+            print(f"{malloc}:")
+            print(f"  one process: VmHWM {one[0] / gib:.2f} GiB")
+            print(f"  {args.ranks} FSDP ranks: VmHWM " + ", ".join(f"{k / gib:.2f}" for k in many) + " GiB")
+            print(f"  busiest rank / one process: {max(many) / one[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,7 @@ CASES = [
     (["loss=z_loss", "parallel=pp2", "train.micro_batch_size=4"], 2, ["loss.z_loss_weight=0.0001", "parallel.pp=2"]),
     (["train.steps=100000000"], 1, ["train.steps=100000000 is more than 99,999,999", "step-NNNNNNNN"]),
     (["train.threads=-3"], 1, ["train.threads=-3 must be >= 0"]),
+    (["train.cpu_mmap_threshold_mib=64"], 1, ["train.cpu_mmap_threshold_mib=64 must be within 0..32"]),
     (["checkpoint.milestones=[50,500]", "train.steps=100"], 1, ["checkpoint.milestones has 500,", "train.steps=100"]),
     (["checkpoint.milestones=[0]"], 1, ["checkpoint.milestones has 0,"]),
     (

@@ -282,6 +282,11 @@ class TrainConfig:
     with native bf16 dot products, fp32 elsewhere)."""
     threads: int = 0
     """Intra-op CPU threads; 0 keeps torch's default."""
+    cpu_mmap_threshold_mib: int = 16
+    """On the CPU device with glibc: tensors of at least this many MiB are mmapped and go back to the OS when
+    freed, instead of staying in the heap (FSDP's gathered blocks otherwise grow each rank's resident memory by
+    what it freed; forge.train.host_malloc). 0 keeps glibc's adaptive threshold; at most 32; the environment's
+    MALLOC_MMAP_THRESHOLD_ wins."""
 
 
 AsyncMode = StrEnum("AsyncMode", [(name, name) for name in ("sync", "async", "async_pinned")], module=__name__)

@@ -18,6 +18,7 @@ from forge.config.schema import (
 from forge.model.vlm.connector import POOLING_CONNECTORS
 from forge.parallel.env import read_dist_env
 from forge.resilience.preemption import CATCHABLE_SIGNALS
+from forge.train.host_malloc import MAX_THRESHOLD_MIB
 
 
 def _require(ok: bool, message: str) -> None:
@@ -151,6 +152,11 @@ def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
         "(step-NNNNNNNN) holds",
     )
     _require(train.threads >= 0, f"train.threads={train.threads} must be >= 0 (0 keeps torch's default)")
+    _require(
+        0 <= train.cpu_mmap_threshold_mib <= MAX_THRESHOLD_MIB,
+        f"train.cpu_mmap_threshold_mib={train.cpu_mmap_threshold_mib} must be within 0..{MAX_THRESHOLD_MIB} (glibc's "
+        "largest; 0 keeps its adaptive threshold)",
+    )
     fill_micro_batch(train, degrees.dp)
     _require(train.eval_every >= 0, f"train.eval_every={train.eval_every} must be >= 0")
     _require(

@@ -149,9 +149,17 @@ def token_ranks(mesh: DeviceMesh | None) -> int:
 
 def sum_over_token_ranks(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """Sum a tensor over the ranks of `token_mesh` (a copy; the value itself for one rank)."""
+    total, pending = start_sum_over_token_ranks(value, mesh)
+    if pending is not None:
+        pending.wait()
+    return total
+
+
+def start_sum_over_token_ranks(value: torch.Tensor, mesh: DeviceMesh | None) -> tuple[torch.Tensor, dist.Work | None]:
+    """`sum_over_token_ranks` issued without waiting: (the sum once the work is waited on, the work or None for one
+    rank). Work issued between the two overlaps the all-reduce."""
     sub = token_mesh(mesh)
     if sub is None or sub.size() == 1:
-        return value
+        return value, None
     total = value.detach().clone()
-    dist.all_reduce(total, group=sub.get_group())
-    return total
+    return total, dist.all_reduce(total, group=sub.get_group(), async_op=True)

@@ -12,7 +12,7 @@ from forge.data.loader import batch_to_device
 from forge.model.moe import router_losses
 from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.grads import clip_grad_norm, set_gradient_sync
-from forge.parallel.mesh import sum_over_token_ranks, token_ranks
+from forge.parallel.mesh import start_sum_over_token_ranks, token_ranks
 from forge.train.losses import IGNORE_INDEX, CrossEntropyLoss, Loss, loss_context
 from forge.train.precision import autocast
 
@@ -67,19 +67,25 @@ class TextStep:
 
     def forward_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each micro-batch's mean loss is weighted by its labelled tokens x token ranks (dp x cp) / the step's
-        labelled tokens over them (counted up front, one all-reduce), so that the gradients, which FSDP/DDP average
-        over those ranks, are those of the token mean: ignored labels (document masking, VLM prompts) weigh nothing.
+        labelled tokens over them (one all-reduce, overlapped with the first forward), so that the gradients, which
+        FSDP/DDP average over those ranks, are those of the token mean: ignored labels (document masking, VLM
+        prompts) weigh nothing.
         The MoE aux and z losses are each a mean over a micro-batch's tokens, averaged over micro-batches and ranks."""
         assert self.train_loss is not None, "a TextStep built without train_loss only evaluates"
         counts = torch.stack([self.labelled_tokens(b) for b in batches]).to(self.device, torch.float32)
-        weights = counts * self.token_ranks / sum_over_token_ranks(counts.sum(), self.mesh).clamp(min=1)
+        # the step's count is summed while the first micro-batch runs forward: backward is the first to need it
+        total, pending = start_sum_over_token_ranks(counts.sum(), self.mesh)
         loss_sum = torch.zeros((), device=self.device)
         for micro, batch in enumerate(batches):
             if self.defer_grad_sync:
                 set_gradient_sync(self.model, micro == len(batches) - 1)
             with loss_context(self.logits_split):
                 loss = self.train_loss(batch)
-                (loss * weights[micro] + router_losses(self.model) / len(batches)).backward()
+                if pending is not None:
+                    pending.wait()
+                    pending = None
+                weight = counts[micro] * self.token_ranks / total.clamp(min=1)
+                (loss * weight + router_losses(self.model) / len(batches)).backward()
             loss_sum += loss.detach() * counts[micro]
         return loss_sum, counts.sum()
 
