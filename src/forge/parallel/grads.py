@@ -50,6 +50,18 @@ def clip_grad_norm(
     return norm
 
 
+@torch.no_grad()
+def scale_grads(model: nn.Module, factor: torch.Tensor) -> None:
+    """Multiply every gradient by `factor` (a 0-d tensor), in place, on each rank's local shards."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        if grad is not None:
+            by_device.setdefault(grad.device, []).append(grad)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, factor.to(device))
+
+
 def _reduce_partial_grads(params: list[torch.Tensor]) -> None:
     """Gradients DTensor left as pending sums (replicated weights fed by sequence-parallel activations, under TP
     alone) are reduced now, in place, so the norm and the optimizer see whole values; a no-op otherwise."""

@@ -38,6 +38,7 @@ class StepGuard:
             self.watchdog = StepWatchdog(cfg.watchdog_factor, cfg.watchdog_min_s, peers=self.progress.report)
         self.liveness = Liveness(cfg.liveness_timeout_s, cfg.liveness_every_steps)
         self.bad_steps: set[int] = set()
+        self.world_tokens: int | None = None  # the last step_is_finite's sum of the ranks' tokens
         self.step: int | None = None  # the step in progress, for error messages
 
     def inject(self, step: int, loss: torch.Tensor) -> torch.Tensor:
@@ -53,10 +54,14 @@ class StepGuard:
             log.warning("fault injection: rank %d stalls at step %d", rank, step)
             time.sleep(3600)
 
-    def step_is_finite(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    def step_is_finite(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> bool:
         """Apply the policy; False means: do not step the optimizer. Every rank also learns here whether any rank
-        was signalled to stop (the same all-reduce): `preemption.should_stop` then costs nothing this step."""
-        bad, stop = step_flags(loss, grad_norm, self.preemption.received is not None)
+        was signalled to stop (the same all-reduce): `preemption.should_stop` then costs nothing this step. With
+        `tokens` (this rank's labelled tokens), `world_tokens` becomes their sum over every rank, from the same
+        all-reduce."""
+        bad, stop, self.world_tokens = step_flags(loss, grad_norm, self.preemption.received is not None, tokens)
         self.preemption.agreed = stop
         if not bad:
             return True

@@ -23,12 +23,18 @@ class NonFinitePolicy:
         return f"non-finite loss or gradient norm at step {step} (loss {loss.item()}, grad norm {grad_norm.item()})"
 
 
-def step_flags(loss: torch.Tensor, grad_norm: torch.Tensor, signalled: bool) -> tuple[bool, bool]:
-    """(any rank saw a non-finite loss or gradient norm, any rank was signalled to stop): one MAX all-reduce of two
-    flags over every rank and one host sync per step, where separate checks would take two of each."""
-    flags = torch.stack([(~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).reshape(()), loss.new_tensor(signalled)])
-    flags = flags.to(torch.int32)
+def step_flags(
+    loss: torch.Tensor, grad_norm: torch.Tensor, signalled: bool, tokens: torch.Tensor | None = None
+) -> tuple[bool, bool, int | None]:
+    """(any rank saw a non-finite loss or gradient norm, any rank was signalled to stop, the sum of every rank's
+    `tokens` or None): one SUM all-reduce of three integers over every rank and one host sync per step, where
+    separate checks would take a collective and a sync each. `tokens` is a step's labelled-token count, which
+    ranks holding the same tokens (tensor-parallel peers) each add."""
+    nonfinite = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
+    count = loss.new_zeros((), dtype=torch.int64) if tokens is None else tokens.to(loss.device, torch.int64)
+    flags = torch.stack([nonfinite.reshape(()).to(torch.int64), loss.new_tensor(int(signalled), dtype=torch.int64),
+                         count.reshape(())])  # fmt: skip
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad, stop = flags.tolist()
-    return bool(bad), bool(stop)
+        dist.all_reduce(flags)
+    bad, stop, total = flags.tolist()
+    return bad > 0, stop > 0, None if tokens is None else total

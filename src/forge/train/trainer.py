@@ -196,9 +196,13 @@ class Trainer:
         with self.meter.waiting_for_data():
             batches = [self.loader.next_batch() for _ in range(self.grad_accum)]
         loss_sum, tokens = self.step.forward_backward(batches)
-        grad_norm = self.step.clip_grad_norm(train.grad_clip)
+        folded = self.step.count_folded  # the gradients wait for the step's token count, summed with the flags
+        grad_norm = self.step.clip_grad_norm(0.0 if folded else train.grad_clip)
         rank_loss = loss_sum / tokens.clamp(min=1)  # this rank's mean, for the check and its message
-        if self.guard.step_is_finite(self.state.step + 1, rank_loss, grad_norm):
+        finite = self.guard.step_is_finite(self.state.step + 1, rank_loss, grad_norm, tokens if folded else None)
+        if folded:
+            grad_norm = self.step.finish_token_mean(self.guard.world_tokens, grad_norm, train.grad_clip)
+        if finite:
             self.optimizer.step()
             # sigmoid routers: outside the gradient; the loads are summed over ranks only where needed
             update_router_biases(self.model, sum_over_ranks, for_metrics=self.is_log_step(self.state.step + 1))

@@ -17,6 +17,11 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
+def has_router_losses(model: nn.Module) -> bool:
+    """Whether a router adds a loss to the training loss (an aux or z-loss coefficient above 0)."""
+    return any(layer.args.aux_loss_coef or layer.args.z_loss_coef for _, layer in moe_layers(model))
+
+
 def router_losses(model: nn.Module) -> torch.Tensor:
     """aux_loss_coef * load-balancing loss + z_loss_coef * z-loss, summed over the MoE layers' last forward.
 

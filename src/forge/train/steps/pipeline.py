@@ -21,6 +21,8 @@ class PipelineStep:
     """forward_backward and evaluate of this rank's pipeline stages; the losses are the last stage's, broadcast to
     every pp rank."""
 
+    count_folded = False  # every token is labelled: the loss is a mean of chunk means, no count to wait for
+
     def __init__(self, pipeline: Pipeline, device: torch.device, dtype: str, defer_grad_sync: bool = False):
         self.pipeline = pipeline
         self.model = pipeline.model

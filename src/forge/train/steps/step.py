@@ -1,7 +1,8 @@
 """What the loop asks of a step body, whichever model and layout it runs.
 
 The trainer picks one body when it builds the model (TextStep, VLMStep or PipelineStep) and then, each optimizer
-step, calls `forward_backward` on the step's micro-batches and `clip_grad_norm`; each evaluation calls `evaluate`.
+step, calls `forward_backward` on the step's micro-batches and `clip_grad_norm` (then `finish_token_mean` where
+the body folds the token count); each evaluation calls `evaluate`.
 Both return this rank's (sum of the token losses, labelled tokens): sums, so that `token_mean` adds up the dp
 ranks' and divides once, and the loss is the mean over the global batch's labelled tokens.
 """
@@ -25,6 +26,10 @@ class Step(Protocol):
         """Forward and backward of one optimizer step's micro-batches, the gradients left summed in the parameters
         as the token mean over every rank's micro-batches; returns this rank's (loss sum, labelled tokens)."""
         ...
+
+    count_folded: bool
+    """forward_backward leaves the gradients as token sums: the loop sums the step's labelled tokens in the
+    non-finite flags' all-reduce and hands them to `finish_token_mean` (TextStep's; no other body folds)."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to a global norm of max_norm (<= 0: only measure it); returns the norm."""

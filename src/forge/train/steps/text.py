@@ -4,14 +4,15 @@
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from forge.data import Batch
 from forge.data.loader import batch_to_device
-from forge.model.moe import router_losses
+from forge.model.moe import has_router_losses, router_losses
 from forge.parallel.context_parallel import ContextSplit
-from forge.parallel.grads import clip_grad_norm, set_gradient_sync
+from forge.parallel.grads import clip_grad_norm, scale_grads, set_gradient_sync
 from forge.parallel.mesh import start_sum_over_token_ranks, token_ranks
 from forge.train.losses import IGNORE_INDEX, CrossEntropyLoss, Loss, loss_context
 from forge.train.precision import autocast
@@ -50,6 +51,9 @@ class TextStep:
         self.context = context
         # tensor parallelism leaves the logits split over the vocabulary: each loss runs under loss_parallel
         self.logits_split = mesh is not None and "tp" in (mesh.mesh_dim_names or ())
+        # without router losses the step's token count can wait for the non-finite flags' all-reduce: the backward
+        # leaves token sums and finish_token_mean divides them (a router loss's weight needs the count up front)
+        self.count_folded = self.token_ranks > 1 and not has_router_losses(model)
 
     def labels(self, batch: Batch) -> torch.Tensor:
         return batch[1] if self.context is None else self.context.labels(batch[1])
@@ -67,14 +71,18 @@ class TextStep:
 
     def forward_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each micro-batch's mean loss is weighted by its labelled tokens x token ranks (dp x cp) / the step's
-        labelled tokens over them (one all-reduce, overlapped with the first forward), so that the gradients, which
-        FSDP/DDP average over those ranks, are those of the token mean: ignored labels (document masking, VLM
-        prompts) weigh nothing.
-        The MoE aux and z losses are each a mean over a micro-batch's tokens, averaged over micro-batches and ranks."""
+        labelled tokens over them, so that the gradients, which FSDP/DDP average over those ranks, are those of the
+        token mean: ignored labels (document masking, VLM prompts) weigh nothing. The MoE aux and z losses are each
+        a mean over a micro-batch's tokens, averaged over micro-batches and ranks.
+
+        The division by the step's count: with `count_folded` it is left to `finish_token_mean`, after the
+        non-finite flags' all-reduce has summed the count; else the count is all-reduced here, overlapping the
+        first micro-batch's forward."""
         assert self.train_loss is not None, "a TextStep built without train_loss only evaluates"
         counts = torch.stack([self.labelled_tokens(b) for b in batches]).to(self.device, torch.float32)
-        # the step's count is summed while the first micro-batch runs forward: backward is the first to need it
-        total, pending = start_sum_over_token_ranks(counts.sum(), self.mesh)
+        total, pending = None, None
+        if not self.count_folded:
+            total, pending = start_sum_over_token_ranks(counts.sum(), self.mesh)
         loss_sum = torch.zeros((), device=self.device)
         for micro, batch in enumerate(batches):
             if self.defer_grad_sync:
@@ -84,13 +92,28 @@ class TextStep:
                 if pending is not None:
                     pending.wait()
                     pending = None
-                weight = counts[micro] * self.token_ranks / total.clamp(min=1)
+                weight = counts[micro] * self.token_ranks
+                if total is not None:
+                    weight = weight / total.clamp(min=1)
                 (loss * weight + router_losses(self.model) / len(batches)).backward()
             loss_sum += loss.detach() * counts[micro]
         return loss_sum, counts.sum()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.model, max_norm)
+
+    def finish_token_mean(self, world_tokens: int, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """Under `count_folded`: divide the gradients by the step's labelled tokens over the token ranks and clip
+        them to max_norm, in one pass; `world_tokens` is every rank's count summed (tensor-parallel peers each
+        add theirs) and `norm` the gradients' norm before the division. Returns the norm after it."""
+        peers = dist.get_world_size() // self.token_ranks  # ranks holding the same tokens
+        factor = 1.0 / max(world_tokens // peers, 1)
+        norm = norm * factor
+        coef = torch.full_like(norm, factor)
+        if max_norm > 0:  # as torch's clip_grads_with_norm_
+            coef = coef * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        scale_grads(self.model, coef)
+        return norm
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
