@@ -1,12 +1,12 @@
 """Step time on 2 gloo ranks: this checkout against an older commit, side by side in one run (ratios).
 
-    .venv/bin/python benchmarks/train/step_collectives.py [--before 7f12a76] [--rounds 3] [--steps 60]
+    .venv/bin/python benchmarks/train/step_collectives.py [--before 7f12a76] [--rounds 3] [--steps 60] [--extra K=V ...]
 
 Made for the change that folded the per-step host syncs and collectives (issue 20, item 5): the non-finite check
 and the preemption agreement in one all-reduce and one host sync, the loss averaged over ranks only on log steps,
 MoE load tallies only where needed. The older commit runs from a git worktree (its own src/ first on PYTHONPATH);
 the two alternate for --rounds rounds, each a fresh `torchrun --nproc_per_node=2` of a small model with short steps,
-so that per-step overheads show. The step time is metrics.jsonl's mean over each log interval, the first interval
+so that per-step overheads show (`--extra`: overrides for both, e.g. to hold a newer option fixed). The step time is metrics.jsonl's mean over each log interval, the first interval
 (warm-up) dropped; the table shows medians over rounds. CPU flags are printed (bf16 paths differ by machine).
 """
 
@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--before", default="7f12a76", help="the older commit")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--extra", nargs="*", default=[], help="overrides for both commits")
     args = parser.parse_args()
     flags = subprocess.run(
         "grep -o 'avx512_bf16\\|amx_bf16' /proc/cpuinfo | sort -u", shell=True, capture_output=True, text=True
@@ -58,11 +59,12 @@ def main() -> None:
                 for case, overrides in CASES.items():
                     for label, src in (("before", old / "src"), ("after", ROOT / "src")):
                         run_dir = Path(tmp) / f"{case}-{label}-{round_}"
-                        median = statistics.median(step_times(src, overrides, run_dir, args.steps))
+                        median = statistics.median(step_times(src, [*overrides, *args.extra], run_dir, args.steps))
                         times.setdefault((case, label), []).append(median)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
-    print(f"CPU bf16 flags: {' '.join(flags) or 'none'}; 2 gloo ranks, {args.steps} steps, before = {args.before}")
+    extra = f", with {' '.join(args.extra)}" if args.extra else ""
+    print(f"CPU bf16 flags: {' '.join(flags) or 'none'}; 2 gloo ranks, {args.steps} steps, before = {args.before}{extra}")
     print("| model | before (ms/step) | after (ms/step) | after / before |")
     print("|---|---|---|---|")
     for case in CASES:
