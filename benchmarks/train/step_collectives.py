@@ -6,8 +6,9 @@ Made for the change that folded the per-step host syncs and collectives (issue 2
 and the preemption agreement in one all-reduce and one host sync, the loss averaged over ranks only on log steps,
 MoE load tallies only where needed. The older commit runs from a git worktree (its own src/ first on PYTHONPATH);
 the two alternate for --rounds rounds, each a fresh `torchrun --nproc_per_node=2` of a small model with short steps,
-so that per-step overheads show (`--extra`: overrides for both, e.g. to hold a newer option fixed). The step time is metrics.jsonl's mean over each log interval, the first interval
-(warm-up) dropped; the table shows medians over rounds. CPU flags are printed (bf16 paths differ by machine).
+so that per-step overheads show (`--extra`: overrides for both, e.g. to hold a newer option fixed). The step time
+is metrics.jsonl's mean over each log interval, the first interval (warm-up) dropped; the table shows medians over
+rounds. CPU flags are printed (bf16 paths differ by machine).
 """
 
 import argparse
@@ -64,7 +65,8 @@ def main() -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
     extra = f", with {' '.join(args.extra)}" if args.extra else ""
-    print(f"CPU bf16 flags: {' '.join(flags) or 'none'}; 2 gloo ranks, {args.steps} steps, before = {args.before}{extra}")
+    cpu = " ".join(flags) or "none"
+    print(f"CPU bf16 flags: {cpu}; 2 gloo ranks, {args.steps} steps, before = {args.before}{extra}")
     print("| model | before (ms/step) | after (ms/step) | after / before |")
     print("|---|---|---|---|")
     for case in CASES:
