@@ -10,6 +10,7 @@ fragment it and the rank's resident memory grows by what it freed, measured at +
 import ctypes
 import logging
 import os
+import platform
 
 log = logging.getLogger("forge")
 
@@ -20,13 +21,16 @@ ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
 def set_mmap_threshold(mebibytes: int) -> bool:
-    """Fix glibc's mmap threshold at `mebibytes` MiB; False when 0, when the environment already sets it (ENV), or
-    when the C library is not glibc (then nothing changes)."""
-    if mebibytes <= 0 or ENV in os.environ:
+    """Fix glibc's mmap threshold at `mebibytes` MiB; False when 0, when the environment already sets it (ENV or
+    GLIBC_TUNABLES), or when the C library is not glibc (then nothing changes)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if mebibytes <= 0 or ENV in os.environ or "glibc.malloc.mmap_threshold" in tunables:
+        return False
+    if platform.libc_ver()[0] != "glibc":  # musl and others: their own policy stands
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc: its own policy stands
+    except (OSError, AttributeError):
         return False
     done = bool(mallopt(M_MMAP_THRESHOLD, mebibytes << 20))
     if not done:

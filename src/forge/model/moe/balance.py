@@ -18,8 +18,9 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 
 
 def has_router_losses(model: nn.Module) -> bool:
-    """Whether a router adds a loss to the training loss (an aux or z-loss coefficient above 0)."""
-    return any(layer.args.aux_loss_coef or layer.args.z_loss_coef for _, layer in moe_layers(model))
+    """Whether a router adds a loss to the training loss (an aux or z-loss coefficient above 0): what
+    `router_losses` sums."""
+    return any(args.aux_loss_coef or args.z_loss_coef for args in (layer.args for _, layer in moe_layers(model)))
 
 
 def router_losses(model: nn.Module) -> torch.Tensor:

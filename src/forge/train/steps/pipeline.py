@@ -46,6 +46,9 @@ class PipelineStep:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.model, max_norm, self.pipeline.group, self.pipeline.counted_elsewhere)
 
+    def finish_token_mean(self, world_tokens: int, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+        raise NotImplementedError("a pipeline's gradients are token means already (count_folded is False)")
+
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward-only passes of the schedule, on every pp rank."""

@@ -24,7 +24,8 @@ class Step(Protocol):
 
     def forward_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one optimizer step's micro-batches, the gradients left summed in the parameters
-        as the token mean over every rank's micro-batches; returns this rank's (loss sum, labelled tokens)."""
+        as the token mean over every rank's micro-batches (with `count_folded`, as token sums that
+        `finish_token_mean` divides); returns this rank's (loss sum, labelled tokens)."""
         ...
 
     count_folded: bool
@@ -33,6 +34,11 @@ class Step(Protocol):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to a global norm of max_norm (<= 0: only measure it); returns the norm."""
+        ...
+
+    def finish_token_mean(self, world_tokens: int, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """Only under `count_folded`: divide the gradients by the step's labelled tokens and clip them; returns the
+        norm after the division."""
         ...
 
     def evaluate(self, batches: Iterable[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
