@@ -13,6 +13,7 @@ trip to the store's host. The write follows within milliseconds, long before any
 import datetime
 import logging
 import threading
+from itertools import groupby
 
 import torch.distributed as dist
 
@@ -118,13 +119,8 @@ class ProgressBoard:
 def describe(steps: dict[int, int | None]) -> str:
     """Which ranks have not started the newest step any rank started. Runs of ranks at the same step are shown as
     one range, so that 512 ranks with one behind make a short line."""
-    runs: list[tuple[list[int], int | None]] = []
-    for rank, step in sorted(steps.items()):
-        if runs and runs[-1][1] == step and runs[-1][0][-1] == rank - 1:
-            runs[-1][0].append(rank)
-        else:
-            runs.append(([rank], step))
-    shown = ", ".join(f"{rank_ranges(ranks)}: {'-' if step is None else step}" for ranks, step in runs)
+    runs = groupby(sorted(steps.items()), key=lambda item: item[1])  # neighbouring ranks at the same step
+    shown = ", ".join(f"{rank_ranges([r for r, _ in run])}: {'-' if step is None else step}" for step, run in runs)
     started = [step for step in steps.values() if step is not None]
     if not started:
         return f"last started step per rank: {shown}"
