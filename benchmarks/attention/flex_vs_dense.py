@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the checkout, for benchmarks.machine
+
+from benchmarks.machine import cpu_flags  # noqa: E402
+
 CASES = [("sdpa", False), ("flex", False), ("sdpa", True), ("flex", True)]
 
 
@@ -73,12 +77,6 @@ def child(kernel: str, grad: bool, seq: int, heads: int, head_dim: int, doc_len:
         run()
         times.append(time.perf_counter() - start)
     return {"seconds": statistics.median(times), "peak_mib": vmhwm_mib() - base}
-
-
-def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    flags = sorted({f for f in ("avx2", "avx512_bf16", "amx_bf16") if f in text})
-    return ", ".join(flags) or "none of avx2 / avx512_bf16 / amx_bf16"
 
 
 def main() -> None:

@@ -18,7 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.machine
+
+from benchmarks.machine import ROOT, cpu_flags  # noqa: E402
 
 
 def vmhwm_kib() -> int:
@@ -58,10 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     overrides = [f"model={args.model}", f"train.steps={args.steps}", "train.eval_batches=1", "train.dtype=fp32",
                  "train.eval_every=0", "metrics.console=quiet"]  # fmt: skip
-    flags = subprocess.run(
-        "grep -o 'avx512_bf16\\|amx_bf16' /proc/cpuinfo | sort -u", shell=True, capture_output=True, text=True
-    ).stdout.split()
-    print(f"CPU bf16 flags: {' '.join(flags) or 'none'}; model {args.model}, global batch 8, {args.steps} steps")
+    print(f"CPU bf16 flags: {cpu_flags()}; model {args.model}, global batch 8, {args.steps} steps")
     mallocs = {"forge's default (train.cpu_mmap_threshold_mib=16)": []}
     if args.also_adaptive:
         mallocs["glibc's adaptive threshold (train.cpu_mmap_threshold_mib=0)"] = ["train.cpu_mmap_threshold_mib=0"]

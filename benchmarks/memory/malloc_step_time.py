@@ -17,7 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.machine
+
+from benchmarks.machine import ROOT, cpu_flags  # noqa: E402
+
 SETTINGS = {
     "fixed 16 MiB (default)": "train.cpu_mmap_threshold_mib=16",
     "glibc adaptive": "train.cpu_mmap_threshold_mib=0",
@@ -43,10 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     base = [f"model={args.model}", f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0",
             "train.eval_batches=1", "train.dtype=fp32", "metrics.console=quiet"]  # fmt: skip
-    flags = subprocess.run(
-        "grep -o 'avx512_bf16\\|amx_bf16' /proc/cpuinfo | sort -u", shell=True, capture_output=True, text=True
-    ).stdout.split()
-    print(f"CPU bf16 flags: {' '.join(flags) or 'none'}; {os.cpu_count()} cores; model {args.model}, global batch 8")
+    print(f"CPU bf16 flags: {cpu_flags()}; {os.cpu_count()} cores; model {args.model}, global batch 8")
     times: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):

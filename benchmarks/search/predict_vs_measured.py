@@ -3,6 +3,7 @@ few steps, its median step time and peak host memory beside the cost model's pre
 
     python benchmarks/search/predict_vs_measured.py            # 4 ranks; calibrates first (torchrun --calibrate)
     python benchmarks/search/predict_vs_measured.py --profile calib/device_profile.json
+    python benchmarks/search/predict_vs_measured.py --layouts tp4 pp2_interleaved      # only these rows
 
 Prints one row per layout, the Spearman correlation of predicted and measured step times, and each layout's
 predicted / measured peak memory per rank. Measured memory is the highest peak of live tensor bytes over the ranks,
@@ -22,7 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # for benchmarks.machine
 
+from benchmarks.machine import cpu_flags  # noqa: E402
 from forge.config import compose  # noqa: E402
 from forge.search.cost import Layout, ModelShape, predict  # noqa: E402
 from forge.search.devices import GIB, device_from_profile  # noqa: E402
@@ -48,12 +51,6 @@ def layouts(ranks: int) -> dict[str, Layout]:
         "pp2_gpipe": Layout(1, half, 1, 2, 1, "none", 8, "gpipe", 4),
         "pp2_interleaved": Layout(1, half, 1, 2, 1, "none", 8, "interleaved_1f1b", 4),
     }
-
-
-def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = sorted({f for f in ("avx512_bf16", "amx_bf16") if f in text})
-    return ", ".join(flags) or "none of avx512_bf16 / amx_bf16"
 
 
 def torchrun(ranks: int, args: list[str], run_dir: Path, script: list[str] | None = None):
@@ -99,6 +96,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", type=Path, help="a device profile (default: calibrate now)")
+    parser.add_argument("--layouts", nargs="*", help="only these rows (names as printed; default: all)")
     args = parser.parse_args()
     print(f"CPU flags: {cpu_flags()}; {args.ranks} gloo ranks, {args.steps} steps per layout")
     profile = args.profile
@@ -112,7 +110,8 @@ def main() -> int:
     device = device_from_profile(profile)
     settings = SearchSettings(compute_efficiency=1.0, comm_efficiency=1.0)  # a measured profile: rates as measured
     rows = []
-    for name, layout in layouts(args.ranks).items():
+    chosen = {name: layout for name, layout in layouts(args.ranks).items() if not args.layouts or name in args.layouts}
+    for name, layout in chosen.items():
         cfg = compose([*MODEL, *RUN, *layout.overrides(), f"parallel.world_size={args.ranks}"])
         predicted = predict(layout, ModelShape.of(build.build_meta_model(cfg)), cfg.train, device, settings, "fp32")
         seconds, peak = measure(args.ranks, [*MODEL, *RUN, *layout.overrides()], args.steps)

@@ -20,7 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.machine
+
+from benchmarks.machine import ROOT, commit_src, cpu_flags  # noqa: E402
 
 CASES = {
     "dense": ["model=llama_tiny", "train.seq_len=64", "train.global_batch_size=4"],
@@ -47,26 +49,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--extra", nargs="*", default=[], help="overrides for both commits")
     args = parser.parse_args()
-    flags = subprocess.run(
-        "grep -o 'avx512_bf16\\|amx_bf16' /proc/cpuinfo | sort -u", shell=True, capture_output=True, text=True
-    ).stdout.split()
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "before"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), args.before], cwd=ROOT, check=True,
-                       capture_output=True)  # fmt: skip
-        try:
-            times: dict[tuple[str, str], list[float]] = {}
-            for round_ in range(args.rounds):
-                for case, overrides in CASES.items():
-                    for label, src in (("before", old / "src"), ("after", ROOT / "src")):
-                        run_dir = Path(tmp) / f"{case}-{label}-{round_}"
-                        median = statistics.median(step_times(src, [*overrides, *args.extra], run_dir, args.steps))
-                        times.setdefault((case, label), []).append(median)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
+    times: dict[tuple[str, str], list[float]] = {}
+    with commit_src(args.before) as old, tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for case, overrides in CASES.items():
+                for label, src in (("before", old), ("after", ROOT / "src")):
+                    run_dir = Path(tmp) / f"{case}-{label}-{round_}"
+                    median = statistics.median(step_times(src, [*overrides, *args.extra], run_dir, args.steps))
+                    times.setdefault((case, label), []).append(median)
     extra = f", with {' '.join(args.extra)}" if args.extra else ""
-    cpu = " ".join(flags) or "none"
-    print(f"CPU bf16 flags: {cpu}; 2 gloo ranks, {args.steps} steps, before = {args.before}{extra}")
+    print(f"CPU bf16 flags: {cpu_flags()}; 2 gloo ranks, {args.steps} steps, before = {args.before}{extra}")
     print("| model | before (ms/step) | after (ms/step) | after / before |")
     print("|---|---|---|---|")
     for case in CASES:

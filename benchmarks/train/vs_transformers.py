@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.train.mfu
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.*
 
+from benchmarks.machine import cpu_flags  # noqa: E402
 from benchmarks.train.mfu import parse_shape, peak_flops  # noqa: E402
 from forge.metrics.flops import count_flops_per_token  # noqa: E402
 from forge.model import TransformerArgs, build_transformer  # noqa: E402
@@ -37,12 +38,6 @@ from forge.parallel.plan import apply_compile  # noqa: E402
 from forge.train.precision import autocast, resolve_dtype  # noqa: E402
 
 VOCAB = 8192
-
-
-def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in text})
-    return " ".join(flags) or "unknown"
 
 
 def step_fn(model: torch.nn.Module, logits_of: Callable, fused: bool, tokens: torch.Tensor, dtype: str) -> Callable:

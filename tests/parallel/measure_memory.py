@@ -25,8 +25,8 @@ def main() -> None:
         model = build_transformer(args)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
         for _ in range(2):
-            logits = model(x)
-            F.cross_entropy(logits.float().flatten(0, 1), x.flatten()).backward()
+            # as the trainer's step: the loss keeps the log-softmax, not the logits
+            F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
     n = sum(p.numel() for p in model.parameters())

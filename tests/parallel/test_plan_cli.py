@@ -114,12 +114,15 @@ def test_plan_of_tied_embeddings_on_four_stages_names_the_gradient_exchange():
     assert f"{vocab * dim // 16:,} elements" in line  # this rank's FSDP shard of the matrix
 
 
-def saved_activation_bytes(loss_fn) -> int:
-    """Bytes of the tensors autograd saves for the backward of `loss_fn()` (each storage once)."""
+def saved_activation_bytes(loss_fn, model: torch.nn.Module) -> int:
+    """Bytes of the tensors autograd saves for the backward of `loss_fn()` (each storage once), leaving out
+    `model`'s parameters (the matmuls save their weights: memory the estimate counts as parameters)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in weights:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -157,7 +160,7 @@ def test_activation_estimate_matches_what_autograd_saves_on_a_context_parallel_r
         logits = model(tokens[:, queries], attn_mask=mask)
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, queries].flatten())
 
-    measured = saved_activation_bytes(loss)
+    measured = saved_activation_bytes(loss, model)
     n = sum(p.numel() for p in model.parameters())
     degrees = Degrees(1, 1, 1, 1, 1, cp)
     estimated = estimate_memory(args, degrees, n, args.n_layers, True, batch, seq, 1.0, 4, dense_masks=True)
@@ -181,7 +184,9 @@ def test_activation_estimate_matches_what_autograd_saves_under_latent_attention(
                            attention_kind="mla", mla=mla)  # fmt: skip
     model = build_transformer(args)
     tokens = torch.randint(0, args.vocab_size, (batch, seq))
-    measured = saved_activation_bytes(lambda: F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten()))
+    measured = saved_activation_bytes(
+        lambda: F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten()), model
+    )
     n = sum(p.numel() for p in model.parameters())
     estimated = estimate_memory(args, Degrees(1, 1, 1, 1, 1), n, args.n_layers, True, batch, seq, 1.0, 4)
     assert estimated.activations == pytest.approx(measured, rel=0.15)

@@ -9,6 +9,7 @@ import pytest
 
 from forge.config import ConfigError, compose
 from forge.search.calibrate import PROFILE, available_cores
+from forge.search.devices import device_from_profile
 from forge.search.report import search_report
 from tests.conftest import ROOT
 
@@ -33,6 +34,8 @@ def test_the_profile_holds_measured_rates(profile):
     assert all(rate > 0 for rate in data["collectives_bytes_per_s"].values())
     assert data["intra_node"] == data["inter_node"] == min(data["collectives_bytes_per_s"].values())
     assert data["peak_flops"]["fp32"] > 1e8 and data["memory_gib"] > 0
+    assert 0 < data["collective_latency_s"] < 1
+    assert device_from_profile(profile).latency_s == data["collective_latency_s"]  # the search's links use it
     assert data["shares_cores"] == (2 * data["threads"] > available_cores())  # 2 ranks here: on 2 cores, true
 
 
@@ -54,7 +57,14 @@ def test_the_search_predicts_with_the_profile(profile):
 
 @pytest.mark.parametrize(
     ("content", "says"),
-    [("not json", "not a readable JSON"), ('{"peak_flops": {"fp32": 1e9}, "inter_node": 0}', "inter_node is 0")],
+    [
+        ("not json", "not a readable JSON"),
+        ('{"peak_flops": {"fp32": 1e9}, "inter_node": 0}', "inter_node is 0"),
+        (
+            '{"peak_flops": {"fp32": 1e9}, "inter_node": 1e9, "memory_gib": 8, "collective_latency_s": -1}',
+            "collective_latency_s is -1",
+        ),
+    ],
 )
 def test_a_damaged_profile_is_named(content, says, tmp_path):
     bad = tmp_path / "profile.json"

@@ -91,6 +91,14 @@ def test_terms_follow_their_formulas():
     pooled = predict(Layout(1, 32, 1, 2, 1, "none", 2, "1f1b", 2), shape, cfg.train, shared, settings)
     assert two.seconds["bubble"] > 0 and pooled.seconds["bubble"] == 0
     assert pooled.step == pytest.approx(two.step - two.seconds["bubble"], rel=1e-6)
+    # a calibrated latency (ranks sharing a CPU host's cores wait a time slice per collective) replaces the table's
+    slow = dataclasses.replace(h100, latency_s=5e-3)
+    for layout in (fsdp, Layout(1, 8, 8, 1, 1, "none", 1)):  # inter-node FSDP; TP inside a node, FSDP across
+        table, measured = (predict(layout, shape, cfg.train, dev, settings) for dev in (h100, slow))
+        calls = measured.seconds["latency"] / 5e-3
+        assert calls == pytest.approx(round(calls)) and calls > 0
+        assert table.seconds["latency"] < measured.seconds["latency"]
+        assert measured.step - table.step == pytest.approx(measured.seconds["latency"] - table.seconds["latency"])
 
 
 def test_long_sequences_make_the_search_split_them_over_context_parallel_ranks():

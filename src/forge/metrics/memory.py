@@ -1,6 +1,7 @@
 """Memory of the training process: CUDA allocator statistics on a GPU, the process RSS on a CPU."""
 
 import resource
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -33,12 +34,34 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
 
 
 def peak_live_tensor_bytes(prof: torch.profiler.profile) -> int:
-    """The highest sum of live tensor bytes over a `profile(profile_memory=True)` window: the running sum of the
-    allocation (+) and free (-) events torch's CPU allocator reports, the CPU counterpart of max_memory_allocated.
-    Unlike the RSS it leaves out glibc's retained heap, so it is the same on every machine."""
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
+    """The highest sum of live tensor bytes over a `profile(profile_memory=True)` window: the allocation (+) and free
+    (-) events torch's CPU allocator reports, the CPU counterpart of max_memory_allocated. Unlike the RSS it leaves
+    out glibc's retained heap, so it is the same on every machine."""
+    from torch._C._profiler import _EventType
+
+    def walk(events):
+        for event in events:
+            yield event
+            yield from walk(event.children)
+
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    allocations = sorted((e for e in walk(tree) if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    return peak_of_allocations((e.extra_fields.ptr, e.extra_fields.alloc_size) for e in allocations)
+
+
+def peak_of_allocations(events: Iterable[tuple[int, int]]) -> int:
+    """The highest sum of live bytes over (address, +bytes allocated or -bytes freed) events in time order.
+
+    Tensors are followed by address, not summed blindly: a free made on a thread the profiler does not follow (a
+    collective's buffer released by gloo's worker, as TP and pipeline sends do) is never reported, and a running
+    sum would count that tensor live to the end. An allocation at an address still live therefore retires the
+    tensor that held it; a free of an address allocated before the window is left out."""
+    live: dict[int, int] = {}
+    total = peak = 0
+    for ptr, nbytes in events:
+        total -= live.pop(ptr, 0)
+        if nbytes > 0:
+            live[ptr] = nbytes
+            total += nbytes
+        peak = max(peak, total)
     return peak

@@ -6,11 +6,15 @@ times square matmuls in fp32 and bf16 on its device, and the ranks time the coll
 reduce-scatter, all-reduce, all-to-all) on the whole group, 16 MiB per rank, best of a few. A bandwidth is the
 bytes one rank sends in a ring ((n - 1) / n of a gathered or scattered buffer, twice that for an all-reduce) over
 the seconds. The slowest collective's rate is the profile's link: intra-node when every rank is on one node, and
-then the inter-node rate is unknown and taken equal to it (the profile says so).
+then the inter-node rate is unknown and taken equal to it (the profile says so). A collective's fixed cost is the
+median time of a one-element all-reduce right after every rank computed: the launch and the wait for the slowest
+peer, which set the time of the many small collectives of tensor parallelism and pipelines (on a CPU host whose
+ranks share cores, the scheduler's time slice: milliseconds, not a GPU's microseconds).
 """
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -62,6 +66,36 @@ def measure_collectives(device: torch.device) -> dict[str, float]:
     return {name: nbytes / max(t, 1e-9) for name, (t, nbytes) in seconds.items()}
 
 
+BURST_S = 0.05
+"""Compute before each timed small collective: long enough that a rank sharing its core is preempted in it."""
+
+
+def measure_latency(device: torch.device, fp32_flops: float, reps: int = 20) -> float | None:
+    """Median seconds of a one-element all-reduce on the default group, each right after every rank did the same
+    ~BURST_S of matmuls (None for one process). Timed after its own compute, as a training step's collectives
+    are, it holds the launch and the wait for the slowest peer; on a CPU host whose ranks share cores that wait
+    is the scheduler's time slice, far above an idle all-reduce."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    size = 512 if device.type == "cpu" else 4096
+    a = torch.randn(size, size, device=device)
+    products = max(1, round(BURST_S * fp32_flops / (2 * size**3)))
+    one = torch.zeros(1, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dist.all_reduce(one)
+    sync()
+    seconds = []
+    for _ in range(reps):
+        for _ in range(products):
+            a @ a
+        sync()
+        start = time.perf_counter()
+        dist.all_reduce(one)
+        sync()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 def device_memory_gib(device: torch.device, local_ranks: int) -> float:
     """The device's memory; on a CPU, the host's divided among the ranks on it."""
     if device.type == "cuda":
@@ -78,6 +112,7 @@ def calibrate(device: torch.device, local_ranks: int, nodes: int) -> dict:
              for dtype in ("fp32", "bf16")}  # fmt: skip
     collectives = measure_collectives(device)
     link = min(collectives.values()) if collectives else None
+    latency = measure_latency(device, peaks["fp32"])
     return {
         "name": device_name(device),
         "peak_flops": peaks,
@@ -86,6 +121,7 @@ def calibrate(device: torch.device, local_ranks: int, nodes: int) -> dict:
         "intra_node": link if nodes == 1 else None,
         "inter_node": link,
         "inter_node_measured": nodes > 1,
+        "collective_latency_s": latency,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "threads": torch.get_num_threads(),
         "shares_cores": device.type == "cpu" and local_ranks * torch.get_num_threads() > available_cores(),
@@ -124,8 +160,9 @@ def run_calibration(device: torch.device, run_dir: Path) -> Path | None:
         path = write_profile(profile, run_dir)
         links = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in profile["collectives_bytes_per_s"].items())
         peaks = ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in profile["peak_flops"].items())
+        latency = f"; a collective's latency {profile['collective_latency_s'] * 1e6:,.0f} us" if links else ""
         print(f"device profile: {path}\n  {profile['name']}: {peaks}; {profile['memory_gib']:.1f} GiB"
-              f"\n  {profile['world_size']} ranks: {links or 'one process, no collectives'}"
+              f"\n  {profile['world_size']} ranks: {links or 'one process, no collectives'}{latency}"
               f"\n  use it: forge-train --plan --search search.profile={path}", flush=True)  # fmt: skip
         return path
     finally:

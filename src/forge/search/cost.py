@@ -34,7 +34,7 @@ head, on the last stage) from forge.metrics.flops:
     bubble     = (compute + recompute) x (pp - 1) / microbatches (/ 2 for interleaved 1F1B's two stages per rank);
                  none on a CPU host whose ranks share its cores (Device.shares_cores: the waiting rank's cores
                  serve the busy ones)
-    latency    = every collective's launch (10 us inside a node, 30 us across)
+    latency    = every collective's launch (10 us inside a node, 30 us across; a calibrated profile's measured latency)
 
 Links: a mesh dimension whose ranks span at most gpus_per_node consecutive ranks uses the intra-node bandwidth,
 else the inter-node one (mesh order pp, dp_replicate, dp_shard, cp, tp: tp innermost; ep is the inner part of
@@ -174,10 +174,11 @@ class Links:
         self.kind = {dim: "intra" if span <= per_node else "inter" for dim, span in spans.items()}
         self.bandwidth = {dim: (intra if kind == "intra" else inter) * settings.comm_efficiency
                           for dim, kind in self.kind.items()}  # fmt: skip
+        self.latency = {kind: device.latency_s or LATENCY_S[kind] for kind in LATENCY_S}
 
     def seconds(self, dim: str, nbytes: float, calls: float) -> tuple[float, float]:
         """(transfer seconds, launch latency seconds) of `calls` collectives moving `nbytes` per rank in all."""
-        return nbytes / self.bandwidth[dim], calls * LATENCY_S[self.kind[dim]]
+        return nbytes / self.bandwidth[dim], calls * self.latency[self.kind[dim]]
 
 
 def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settings: SearchSettings,

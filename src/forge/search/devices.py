@@ -30,6 +30,9 @@ class Device:
     """A CPU host whose ranks outnumber its cores (a calibrated profile says so): a rank that waits in a
     pipeline's bubble leaves its cores to the busy ones, so the bubble costs no time (the per-rank rate was
     measured with every rank computing at once)."""
+    latency_s: float | None = None
+    """Seconds of one small collective (a calibrated profile measures it); None: forge.search.cost.LATENCY_S, a
+    GPU's launch inside and across nodes."""
 
     def peak_flops(self, dtype: str) -> float:
         flops = self.peaks.get(dtype) if self.peaks else table_peak(self.name, dtype)
@@ -71,4 +74,6 @@ def device_from_profile(path: str | Path) -> Device:
     shares = profile.get("shares_cores", False)
     if not isinstance(shares, bool):
         raise ValueError(f"search.profile={path}: shares_cores is {shares!r}, not true or false")
-    return Device(name, positive(profile.get("memory_gib"), "memory_gib"), intra, inter, peaks, shares)
+    latency = profile.get("collective_latency_s")
+    latency = positive(latency, "collective_latency_s") if latency is not None else None
+    return Device(name, positive(profile.get("memory_gib"), "memory_gib"), intra, inter, peaks, shares, latency)

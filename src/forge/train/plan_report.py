@@ -9,18 +9,21 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
     params 4P (fp32 master weights) + AdamW 8P (exp_avg, exp_avg_sq)
     + FSDP gather buffers in the compute dtype: 2 unsharded blocks (the one computing, the one prefetched) and the
       root unit's parameters (embedding, final norm, head), which FSDP keeps gathered from the forward to the end
-      of the backward
+      of the backward; DDP's and HSDP's replicas have them too (FSDP2 over a shard group of one still copies the
+      parameters into its gather buffers)
     + grads 4P + activations when the gradients exist at the start of a backward (gradient accumulation, or a
       1F1B pipeline); else the larger of the two (zero_grad sets them to None: they grow as the backward frees
       the activations)
     activations: in-flight micro-batch tokens T = micro_batch_size x seq_len (x in-flight pipeline micro-batches),
       one pipeline chunk's tokens T_c (T without a pipeline)
-        no checkpointing:    T x (L_r x block + head) + T_c x 2 V / tp
-        full checkpointing:  T x L_r x d / tp + max(T x head + T_c x 2 V / tp, T_c x block + (T - T_c) x head)
+        no checkpointing:    T x (L_r x block + head) + T_c x g V / tp
+        full checkpointing:  T x L_r x d / tp + max(T x head + T_c x g V / tp, T_c x block + (T - T_c) x head)
       times bytes, where block = (7 d + 2 kv + 4 f) / tp (+ 2 d under tp: the all-gathered inputs of the
-      attention and the MLP that their matmuls keep) and head = 2 d / tp (+ d under tp) + 2 V / tp on the last
-      stage (final norm input and output, the logits, split over the vocabulary under tp, and their fp32
-      log-softmax; a chunk's backward starts with the gradients of both, the T_c x 2 V / tp). L_r are the
+      attention and the MLP that their matmuls keep) and head = 2 d / tp (+ d under tp) + k V / tp on the last
+      stage (final norm input and output, and what the loss keeps of the logits, split over the vocabulary under
+      tp: their fp32 log-softmax, k = 1; a pipeline stage also keeps its output, the logits, k = 2). A chunk's
+      backward then holds g V / tp more per token: the log-softmax's gradient and the logits' (g = 2), and under
+      tp the vocabulary-parallel loss's exponentials too (g = 3). L_r are the
       rank's blocks, d the model width, kv the key/value width, f the MLP hidden width (in an MoE block the
       hidden width each token passes through: expert size x (top_k + shared experts), averaged over the
       blocks); a model.head_dim that sets the query width q apart from d counts 4 d + 3 q in place of 7 d;
@@ -180,10 +183,12 @@ def estimate_memory(
     tokens = micro_batch_size * seq_len * in_flight / cp
     chunk_tokens = micro_batch_size * seq_len / cp / chunks
     gathered = 1 if tp > 1 else 0  # sequence parallel: each matmul keeps its all-gathered (whole) input
-    # the final norm's input and output, the logits (split over the vocabulary under tp) and their log-softmax; a
-    # chunk's backward starts with the gradients of both
-    head = (2 * args.dim / tp + gathered * args.dim + 2 * args.vocab_size / tp) if has_head else 0
-    head_grads = chunk_tokens * 2 * args.vocab_size / tp if has_head else 0
+    # the final norm's input and output and the logits' log-softmax (split over the vocabulary under tp; the loss
+    # frees the logits, a pipeline stage keeps them as its output); a chunk's backward adds the gradients of both,
+    # and under tp the vocabulary-parallel loss's exponentials
+    kept = 2 if degrees.pp > 1 else 1
+    head = (2 * args.dim / tp + gathered * args.dim + kept * args.vocab_size / tp) if has_head else 0
+    head_grads = chunk_tokens * (3 if tp > 1 else 2) * args.vocab_size / tp if has_head else 0
     # context parallel: SDPA keeps the whole sequence's keys and values (cp x the rank's own)
     block = (block_activation_elems(args) + saved_kv_width(args) * (cp - 1)) / tp + gathered * 2 * args.dim
     # a dense mask: the boolean (seq / cp x seq) mask per sample lives through the forward, and each block's SDPA
@@ -198,7 +203,9 @@ def estimate_memory(
     later = max(tokens * head + head_grads, chunk_tokens * block + (tokens - chunk_tokens) * head)
     ckpt = (tokens * rank_blocks * args.dim / tp + later) * act_bytes + mask * (1 + act_bytes)
     shard = degrees.fsdp_shard
-    gather = (2 * block_gather_params(args, degrees) / tp + root_params) * act_bytes if shard > 1 else 0
+    # replicas too: FSDP2 over (dp_replicate, 1) copies the parameters into its gather buffers all the same
+    fsdp = shard > 1 or degrees.dp_replicate > 1
+    gather = (2 * block_gather_params(args, degrees) / tp + root_params) * act_bytes if fsdp else 0
     grads = 4 * local_params
     if deferred_sync and shard > 1:
         expert_shard = max(degrees.dp_shard // degrees.ep, 1) if degrees.ep > 1 else shard

@@ -1,0 +1,30 @@
+"""What every benchmark states about the machine it ran on, and an older commit to run beside this checkout."""
+
+import contextlib
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> str:
+    """The CPU's native-bf16 flags (`grep -o 'avx512_bf16\\|amx_bf16' /proc/cpuinfo | sort -u`), or "none"."""
+    path = Path("/proc/cpuinfo")
+    words = set(path.read_text().split()) if path.exists() else set()
+    return " ".join(flag for flag in BF16_FLAGS if flag in words) or "none"
+
+
+@contextlib.contextmanager
+def commit_src(commit: str) -> Iterator[Path]:
+    """The src/ folder of `commit`, checked out in a temporary git worktree (put it first on PYTHONPATH)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / commit
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=ROOT, check=True,
+                       capture_output=True)  # fmt: skip
+        try:
+            yield tree / "src"
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
