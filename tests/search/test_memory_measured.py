@@ -1,9 +1,10 @@
 """The layout search's peak memory per rank against the peak of live tensor bytes that torch's allocator reports
 on real gloo ranks training with the real Trainer (forge.metrics.memory.peak_live_tensor_bytes): FSDP, GPipe (one
-chunk's logit gradients at a time) and DDP (one micro-batch: the gradients come as the backward frees the
-activations) and TP (the logits split over the vocabulary: 0.89 at micro-batch 8, 0.94 at 4; with the logits
-replicated it read 1.14-1.17). Within 15 %, the search issue's bound; benchmarks/search/predict_vs_measured.py
-does all ten layouts of its table."""
+chunk's logit gradients at a time), 1F1B (each rank's own in-flight chunks, one at the head; the run's closing
+evaluation kept every chunk's logits and their concatenation, 0.82, until it asked torch's schedule for no
+outputs), DDP (one micro-batch: the gradients come as the backward frees the activations; FSDP2's gather copies
+of the replicas) and TP (the logits split over the vocabulary). Within 15 %, the search issue's bound;
+benchmarks/search/predict_vs_measured.py does all ten layouts of its table."""
 
 import pytest
 from torch.profiler import ProfilerActivity, profile
@@ -26,6 +27,7 @@ MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.ffn_dim=
 LAYOUTS = {
     "fsdp2": Layout(1, 2, 1, 1, 1, "none", 8),
     "pp2_gpipe": Layout(1, 1, 1, 2, 1, "none", 16, "gpipe", 4),
+    "pp2_1f1b": Layout(1, 1, 1, 2, 1, "none", 16, "1f1b", 4),
     "ddp2": Layout(2, 1, 1, 1, 1, "none", 8),
     "tp2": Layout(1, 1, 2, 1, 1, "none", 8),
 }

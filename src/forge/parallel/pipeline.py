@@ -141,8 +141,9 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward only; the mean loss on the last stage, 0 elsewhere."""
-        return self._run(self.schedule.eval, inputs, labels)
+        """Forward only; the mean loss on the last stage, 0 elsewhere. The last stage keeps no chunk's logits (torch's
+        schedule would keep them all and concatenate them: twice the batch's tokens x vocab)."""
+        return self._run(self.schedule.eval, inputs, labels, return_outputs=False)
 
     @torch.no_grad()
     def average_grads(self, steps: int) -> None:

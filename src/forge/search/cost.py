@@ -48,7 +48,7 @@ from forge.metrics.flops import count_flops_per_token, is_moe_block
 from forge.parallel.pipeline import stage_layers, stages_per_rank
 from forge.search.devices import Device
 from forge.search.settings import SearchSettings
-from forge.train.plan_report import estimate_memory, grads_at_peak, pipeline_in_flight
+from forge.train.plan_report import estimate_memory, grads_at_peak, head_in_flight, pipeline_in_flight
 
 LATENCY_S = {"intra": 10e-6, "inter": 30e-6}
 SELECTIVE_RECOMPUTE = 0.1
@@ -210,12 +210,14 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         params += shape.head if last else 0
         local = params / layout.tp / shard
         root = (params - sum(shape.block_params[b] for b in blocks)) / layout.tp  # FSDP's root unit, kept gathered
-        in_flight = pipeline_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
+        per_rank = stages_per_rank(layout.pp_schedule)
+        in_flight = pipeline_in_flight(layout.pp, layout.pp_schedule, layout.microbatches, pp_rank, per_rank)
+        head_alive = head_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
         mem = estimate_memory(args, degrees, local, len(blocks), last, layout.micro_batch_size, seq, in_flight,
                               act_bytes, dense_masks=dense_masks,
                               grads_at_peak=grads_at_peak(n_micro, layout.pp, layout.pp_schedule, chunks, pp_rank,
-                                                          stages_per_rank(layout.pp_schedule)),
-                              chunks=chunks, root_params=root)  # fmt: skip
+                                                          per_rank),
+                              chunks=chunks, root_params=root, head_in_flight=head_alive)  # fmt: skip
         memory = mem.peak(layout.activation_checkpoint == "full")
         block_flops = per_block * len(blocks) * tokens_rank / layout.tp
         forward = block_flops + (flops.head * tokens_rank / layout.tp if last else 0)

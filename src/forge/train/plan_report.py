@@ -14,10 +14,12 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
     + grads 4P + activations when the gradients exist at the start of a backward (gradient accumulation, or a
       1F1B pipeline); else the larger of the two (zero_grad sets them to None: they grow as the backward frees
       the activations)
-    activations: in-flight micro-batch tokens T = micro_batch_size x seq_len (x in-flight pipeline micro-batches),
-      one pipeline chunk's tokens T_c (T without a pipeline)
-        no checkpointing:    T x (L_r x block + head) + T_c x g V / tp
-        full checkpointing:  T x L_r x d / tp + max(T x head + T_c x g V / tp, T_c x block + (T - T_c) x head)
+    activations: in-flight micro-batch tokens T = micro_batch_size x seq_len (x the rank's in-flight share of the
+      pipeline chunks: all under GPipe, pp - r of them on 1F1B's rank r), one pipeline chunk's tokens T_c (T without
+      a pipeline), the head's in-flight tokens T_h (T_c under a 1F1B schedule: the last stage runs each chunk's
+      backward right after its forward; else T)
+        no checkpointing:    T x L_r x block + T_h x head + T_c x g V / tp
+        full checkpointing:  T x L_r x d / tp + max(T_h x head + T_c x g V / tp, T_c x block + (T_h - T_c) x head)
       times bytes, where block = (7 d + 2 kv + 4 f) / tp (+ 2 d under tp: the all-gathered inputs of the
       attention and the MLP that their matmuls keep) and head = 2 d / tp (+ d under tp) + k V / tp on the last
       stage (final norm input and output, and what the loss keeps of the logits, split over the vocabulary under
@@ -146,12 +148,23 @@ def block_gather_params(args, degrees: Degrees) -> float:
     return max(dense, attention + shared + experts)
 
 
-def pipeline_in_flight(pp: int, schedule: str, microbatches: int) -> float:
-    """Fraction of a micro-batch whose activations are alive at once: all of it without a pipeline; GPipe keeps
-    every chunk, 1F1B's first stage at most pp of them."""
-    if pp == 1:
+def pipeline_in_flight(pp: int, schedule: str, microbatches: int, pp_rank: int = 0, stages: int = 1) -> float:
+    """Fraction of a micro-batch whose activations are alive at once on pipeline rank `pp_rank` (with `stages` per
+    rank): all of it without a pipeline or under GPipe; under torch's 1F1B rank r runs pp - r forwards before its
+    first backward, under interleaved 1F1B (stages - 1) x pp + 2 (pp - 1 - r) stage-chunks and then one more (the
+    steady state's forward comes before its backward)."""
+    if pp == 1 or schedule == "gpipe":
         return 1.0
-    return (microbatches if schedule == "gpipe" else min(microbatches, pp)) / microbatches
+    if stages == 1:
+        return min(microbatches, pp - pp_rank) / microbatches
+    alive = (stages - 1) * pp + 2 * (pp - 1 - pp_rank) + 1
+    return min(stages * microbatches, alive) / (stages * microbatches)
+
+
+def head_in_flight(pp: int, schedule: str, microbatches: int) -> float | None:
+    """Fraction of a micro-batch whose head activations are alive at once: one chunk under a 1F1B schedule (the last
+    stage runs each chunk's backward right after its forward); None (as the blocks') otherwise."""
+    return 1 / microbatches if pp > 1 and schedule != "gpipe" else None
 
 
 def estimate_memory(
@@ -170,6 +183,7 @@ def estimate_memory(
     chunks: int = 1,
     root_params: float = 0.0,
     local_experts: int = 0,
+    head_in_flight: float | None = None,
 ) -> MemoryEstimate:
     """The peak memory of the module docstring's formula. `dense_masks`: attention runs SDPA under a boolean mask
     (document masking, or a sliding window, without flex), which SDPA keeps converted to the compute dtype per
@@ -178,9 +192,12 @@ def estimate_memory(
     with one chunk's gradients of the logits). `root_params`: the parameters outside the blocks that this rank
     holds, per tp rank (embedding, final norm, head): FSDP's root unit, which stays gathered from the forward to the
     end of the backward. `local_experts`: the routed expert parameters among `local_params`; under deferred sync
-    they accumulate unsharded over their own FSDP group, dp_shard / ep ranks, not dp_shard x cp."""
+    they accumulate unsharded over their own FSDP group, dp_shard / ep ranks, not dp_shard x cp. `head_in_flight`:
+    the fraction of a micro-batch whose head activations are alive (forge.train.plan_report.head_in_flight; None:
+    `in_flight`)."""
     cp, tp = degrees.cp, degrees.tp
     tokens = micro_batch_size * seq_len * in_flight / cp
+    head_tokens = tokens if head_in_flight is None else micro_batch_size * seq_len * head_in_flight / cp
     chunk_tokens = micro_batch_size * seq_len / cp / chunks
     gathered = 1 if tp > 1 else 0  # sequence parallel: each matmul keeps its all-gathered (whole) input
     # the final norm's input and output and the logits' log-softmax (split over the vocabulary under tp; the loss
@@ -197,10 +214,11 @@ def estimate_memory(
     rows = micro_batch_size * in_flight if dense_masks else 1
     sdpa = getattr(args, "attention", "sdpa") == "sdpa"  # flex's BlockMask is (seq / 128)^2 blocks: left out
     mask = rows * seq_len * seq_len / cp if sdpa and (dense_masks or cp > 1) else 0
-    full = (tokens * (rank_blocks * block + head) + head_grads) * act_bytes + mask * (1 + rank_blocks * act_bytes)
+    full = (tokens * rank_blocks * block + head_tokens * head + head_grads) * act_bytes
+    full += mask * (1 + rank_blocks * act_bytes)
     # full checkpointing: each block's input, then the head's backward, or one chunk's recomputed block beside
     # the other chunks' logits
-    later = max(tokens * head + head_grads, chunk_tokens * block + (tokens - chunk_tokens) * head)
+    later = max(head_tokens * head + head_grads, chunk_tokens * block + (head_tokens - chunk_tokens) * head)
     ckpt = (tokens * rank_blocks * args.dim / tp + later) * act_bytes + mask * (1 + act_bytes)
     shard = degrees.fsdp_shard
     # replicas too: FSDP2 over (dp_replicate, 1) copies the parameters into its gather buffers all the same
@@ -330,7 +348,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
 
     dtype = "bf16" if train.dtype in ("auto", "bf16") else "fp32"
     chunks = (parallel.microbatches or degrees.pp) if degrees.pp > 1 else 1
-    in_flight = pipeline_in_flight(degrees.pp, parallel.pp_schedule, chunks)
+    in_flight = pipeline_in_flight(degrees.pp, parallel.pp_schedule, chunks, 0, stages_per_rank(parallel.pp_schedule))
     mem = estimate_memory(
         args,
         degrees,
@@ -354,6 +372,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         ),
         chunks=chunks,
         root_params=root_params,
+        head_in_flight=head_in_flight(degrees.pp, parallel.pp_schedule, chunks),
     )
     checkpointed = parallel.activation_checkpoint == "full"
     lines.append(
