@@ -114,7 +114,11 @@ def main() -> int:
         profile = calib / "device_profile.json"
     device = device_from_profile(profile)
     settings = SearchSettings(compute_efficiency=1.0, comm_efficiency=1.0)  # a measured profile: rates as measured
-    chosen = {name: layout for name, layout in layouts(args.ranks).items() if not args.layouts or name in args.layouts}
+    known = layouts(args.ranks)
+    unknown = sorted(set(args.layouts or ()) - set(known))
+    if unknown:
+        parser.error(f"--layouts: no layout {', '.join(unknown)} (the layouts: {', '.join(known)})")
+    chosen = {name: layout for name, layout in known.items() if not args.layouts or name in args.layouts}
     runs = {name: [*MODEL, *RUN, *layout.overrides()] for name, layout in chosen.items()}
     # Each round times every layout once, so a burst of load from other jobs slows one run of a layout, not all of
     # them; noise only adds time, so the quickest round is the layout's figure.
@@ -130,8 +134,9 @@ def main() -> int:
         rows.append((name, predicted.step, seconds[name], predicted.memory / GIB, peak / GIB))
         print(f"{name:<20} predicted {predicted.step:7.3f} s  measured {seconds[name]:7.3f} s  | peak memory per rank "
               f"predicted {rows[-1][3]:.3f} GiB, measured {rows[-1][4]:.3f} GiB", flush=True)  # fmt: skip
-    rho = spearman([r[1] for r in rows], [r[2] for r in rows])
-    print(f"Spearman (predicted vs measured step time, {len(rows)} layouts): {rho:.2f}")
+    if len(rows) > 1:
+        rho = spearman([r[1] for r in rows], [r[2] for r in rows])
+        print(f"Spearman (predicted vs measured step time, {len(rows)} layouts): {rho:.2f}")
     for name, _, _, mem_p, mem_m in rows:
         print(f"  {name:<20} memory predicted / measured {mem_p / mem_m if mem_m > 0 else float('nan'):.2f}")
     return 0

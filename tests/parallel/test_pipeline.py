@@ -51,7 +51,11 @@ def run_pipeline_scenarios(scenarios: dict[str, list[str]], root: str) -> dict[s
             "local_params": count_local_parameters(trainer.model),
             "params": trainer.n_params,
         }
-        trainer.fit()
+        trainer.fit()  # ends with an evaluation
+        if trainer.pipeline is not None:
+            schedule = trainer.pipeline.schedule
+            stages = getattr(schedule, "_stages", None) or [schedule._stage]
+            layout["cached_chunks"] = sum(len(stage.fwd_cache) for stage in stages)
         out[name] = layout | (curves(trainer.run_dir) if is_main_process() else {})
     return out
 
@@ -87,6 +91,13 @@ def test_stages_hold_disjoint_blocks(two_ranks):
     )
     for run in ("pp2_gpipe", "pp2_1f1b"):
         assert two_ranks[0][run]["local_params"] + two_ranks[1][run]["local_params"] == two_ranks[0][run]["params"]
+
+
+@pytest.mark.parametrize("layout", list(TWO_RANKS))
+def test_evaluation_leaves_no_chunk_cached(layout, two_ranks):
+    """torch's stage caches each chunk's output and inputs for its backward; a forward-only pass (the closing
+    evaluation) has none, and left the last stage holding every chunk's logits until the next step."""
+    assert [rank[layout]["cached_chunks"] for rank in two_ranks] == [0, 0]
 
 
 def test_pp2_fsdp_matches_one_process(tmp_path, reference):

@@ -194,7 +194,7 @@ def test_activation_estimate_matches_what_autograd_saves_under_latent_attention(
 
 def test_gradients_exist_at_the_activations_peak_only_after_a_backward():
     """torch's schedules: 1F1B runs pp - rank warm-up forwards (all of them on rank 0 when chunks = pp), the
-    interleaved one (stages - 1) x pp + 2 (pp - 1 - rank) stage forwards, GPipe every forward first."""
+    interleaved one (stages - 1) rounds + 2 (pp - 1 - rank) stage forwards, GPipe every forward first."""
     from forge.train.plan_report import grads_at_peak
 
     assert grads_at_peak(2, 1, "1f1b")  # gradient accumulation
@@ -206,3 +206,25 @@ def test_gradients_exist_at_the_activations_peak_only_after_a_backward():
     assert not grads_at_peak(1, 2, "interleaved_1f1b", chunks=2, pp_rank=0, stages=2)  # 4 warm-up of 4
     assert grads_at_peak(1, 2, "interleaved_1f1b", chunks=2, pp_rank=1, stages=2)  # 2 warm-up of 4
     assert grads_at_peak(1, 2, "interleaved_1f1b", chunks=4, pp_rank=0, stages=2)
+
+
+@pytest.mark.parametrize(("pp", "microbatches"), [(2, 2), (2, 3), (2, 4), (4, 4), (4, 8), (4, 6), (8, 16)])
+def test_in_flight_chunks_follow_torchs_schedules(pp, microbatches):
+    """Each pipeline rank's in-flight share against torch's own warm-up counts (its interleaved schedule's
+    helper; 1F1B warms up pp - rank chunks on rank r, at most all of them)."""
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    from forge.train.plan_report import head_in_flight, interleaved_warmup, pipeline_in_flight
+
+    per_round = microbatches // max(1, microbatches // pp)
+    for rank in range(pp):
+        torch_warmup = _get_warmup_ops(rank, 2, per_round, pp, microbatches)
+        assert interleaved_warmup(pp, microbatches, rank, 2) == torch_warmup
+        assert pipeline_in_flight(pp, "interleaved_1f1b", microbatches, rank, 2) == pytest.approx(
+            min(2 * microbatches, torch_warmup + 1) / (2 * microbatches)
+        )
+        assert pipeline_in_flight(pp, "1f1b", microbatches, rank) == min(microbatches, pp - rank) / microbatches
+        assert pipeline_in_flight(pp, "gpipe", microbatches, rank) == 1.0
+    assert head_in_flight(pp, "1f1b", microbatches) == head_in_flight(pp, "interleaved_1f1b", microbatches)
+    assert head_in_flight(pp, "1f1b", microbatches) == 1 / microbatches
+    assert head_in_flight(pp, "gpipe", microbatches) is None and head_in_flight(1, "1f1b", 1) is None

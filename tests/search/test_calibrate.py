@@ -73,6 +73,16 @@ def test_a_damaged_profile_is_named(content, says, tmp_path):
         search_report(compose(["search=default", "parallel.world_size=2", f"search.profile={bad}"]))
 
 
+def test_a_profile_without_a_latency_uses_the_tables(tmp_path):
+    """Profiles written before the latency was measured (or by one process) still load: the cost model then charges
+    forge.search.cost.LATENCY_S."""
+    old = tmp_path / "profile.json"
+    old.write_text('{"peak_flops": {"fp32": 1e9}, "inter_node": 1e9, "memory_gib": 8}')
+    assert device_from_profile(old).latency_s is None
+    old.write_text('{"peak_flops": {"fp32": 1e9}, "inter_node": 1e9, "memory_gib": 8, "collective_latency_s": null}')
+    assert device_from_profile(old).latency_s is None
+
+
 def test_calibrate_and_plan_together_are_refused(tmp_path):
     cmd = [sys.executable, "-m", "forge.train", "--calibrate", "--plan", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -45,7 +45,11 @@ def peak_live_tensor_bytes(prof: torch.profiler.profile) -> int:
             yield from walk(event.children)
 
     tree = prof.profiler.kineto_results.experimental_event_tree()
-    allocations = sorted((e for e in walk(tree) if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    # on a tie a free goes first: an address is freed before it is handed out again
+    allocations = sorted(
+        (e for e in walk(tree) if e.tag == _EventType.Allocation),
+        key=lambda e: (e.start_time_ns, e.extra_fields.alloc_size > 0),
+    )
     return peak_of_allocations((e.extra_fields.ptr, e.extra_fields.alloc_size) for e in allocations)
 
 
@@ -55,7 +59,8 @@ def peak_of_allocations(events: Iterable[tuple[int, int]]) -> int:
     Tensors are followed by address, not summed blindly: a free made on a thread the profiler does not follow (a
     collective's buffer released by gloo's worker, as TP and pipeline sends do) is never reported, and a running
     sum would count that tensor live to the end. An allocation at an address still live therefore retires the
-    tensor that held it; a free of an address allocated before the window is left out."""
+    tensor that held it; a free of an address allocated before the window is left out. A tensor freed unseen whose
+    memory is handed out again at other start addresses stays counted."""
     live: dict[int, int] = {}
     total = peak = 0
     for ptr, nbytes in events:

@@ -38,7 +38,28 @@ from forge.parallel.init import materialize_sharded
 SCHEDULES = dict(zip(map(str, PPSchedule), (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B), strict=True))
 
 
-class ReducingStage(PipelineStage):
+class Stage(PipelineStage):
+    """torch's stage, except that a forward-only pass (evaluation) keeps no chunk's output and inputs: torch's stage
+    caches them for a backward that never comes, until the next step, so the last stage held every chunk's logits
+    (the evaluated batch's tokens x vocab). The last stage drops them after its forward (it sends nothing), the
+    others once their send is built (the send holds the output)."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
+        output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if self.is_last and not self.has_backward:
+            self.fwd_cache.pop(fwd_chunk_id, None)
+        return output
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        if self.is_last and not self.has_backward:
+            return []
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if not self.has_backward:
+            self.fwd_cache.pop(fwd_chunk_id, None)
+        return ops
+
+
+class ReducingStage(Stage):
     """A stage whose FSDP gradients are reduce-scattered after each chunk's backward, as FSDP does outside a
     pipeline (parallel.defer_grad_sync=false, the default when dp_shard > 1).
 
@@ -141,8 +162,8 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward only; the mean loss on the last stage, 0 elsewhere. The last stage keeps no chunk's logits (torch's
-        schedule would keep them all and concatenate them: twice the batch's tokens x vocab)."""
+        """Forward only; the mean loss on the last stage, 0 elsewhere. No outputs are asked for (torch's schedule
+        would concatenate the chunks' logits), and the stages keep none (Stage)."""
         return self._run(self.schedule.eval, inputs, labels, return_outputs=False)
 
     @torch.no_grad()
@@ -186,7 +207,7 @@ def build_pipeline(
     """Split `model` (meta device) into this rank's stages, apply `parallelize` to each, materialise them with the
     weights one process would give the whole model from `seed`, and build the schedule. The pipeline's `applied`
     lists the splits, what `parallelize` returned for each stage, and the schedule. `defer_grad_sync`: reduce the
-    gradients once per schedule step (torch's PipelineStage), else after each chunk (ReducingStage)."""
+    gradients once per schedule step (Stage, as torch's PipelineStage), else after each chunk (ReducingStage)."""
     if degrees.tp > 1:
         raise NotImplementedError("parallel.pp > 1 with parallel.tp > 1 is not supported yet")
     pp_mesh = mesh["pp"]
@@ -202,7 +223,7 @@ def build_pipeline(
         applied += parallelize(part) or []
     materialize_stages(parts, model, seed, device)
     group = pp_mesh.get_group()
-    stage_cls = PipelineStage if defer_grad_sync else ReducingStage
+    stage_cls = Stage if defer_grad_sync else ReducingStage
     stages = [stage_cls(p, s, n_stages, device, group=group) for s, p in zip(stage_ids, parts)]
     microbatches = parallel_cfg.microbatches or pp
     cls = SCHEDULES[parallel_cfg.pp_schedule]

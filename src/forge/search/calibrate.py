@@ -71,8 +71,8 @@ BURST_S = 0.05
 
 
 def measure_latency(device: torch.device, fp32_flops: float, reps: int = 20) -> float | None:
-    """Median seconds of a one-element all-reduce on the default group, each right after every rank did the same
-    ~BURST_S of matmuls (None for one process). Timed after its own compute, as a training step's collectives
+    """Median seconds of a one-element all-reduce on the default group, each right after every rank did ~BURST_S of
+    matmuls, the slowest rank's (None for one process). Timed after its own compute, as a training step's collectives
     are, it holds the launch and the wait for the slowest peer; on a CPU host whose ranks share cores that wait
     is the scheduler's time slice, far above an idle all-reduce."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -93,7 +93,10 @@ def measure_latency(device: torch.device, fp32_flops: float, reps: int = 20) -> 
         dist.all_reduce(one)
         sync()
         seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    # a rank that tends to arrive last hardly waits: the profile keeps the slowest rank's median
+    median = torch.tensor([statistics.median(seconds)], dtype=torch.float64, device=device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item()
 
 
 def device_memory_gib(device: torch.device, local_ranks: int) -> float:

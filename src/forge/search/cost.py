@@ -200,6 +200,8 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
     micro_tokens = layout.micro_batch_size * seq / layout.cp
     shard = layout.dp_shard * layout.cp  # FSDP's group: context-parallel ranks hold the same parameters
 
+    per_rank = stages_per_rank(layout.pp_schedule)
+    head_alive = head_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
     worst: tuple[float, dict, float, dict] | None = None
     for pp_rank in range(layout.pp):
         mine = [s for s in range(n_stages) if s % layout.pp == pp_rank]
@@ -210,14 +212,12 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         params += shape.head if last else 0
         local = params / layout.tp / shard
         root = (params - sum(shape.block_params[b] for b in blocks)) / layout.tp  # FSDP's root unit, kept gathered
-        per_rank = stages_per_rank(layout.pp_schedule)
         in_flight = pipeline_in_flight(layout.pp, layout.pp_schedule, layout.microbatches, pp_rank, per_rank)
-        head_alive = head_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
         mem = estimate_memory(args, degrees, local, len(blocks), last, layout.micro_batch_size, seq, in_flight,
                               act_bytes, dense_masks=dense_masks,
                               grads_at_peak=grads_at_peak(n_micro, layout.pp, layout.pp_schedule, chunks, pp_rank,
                                                           per_rank),
-                              chunks=chunks, root_params=root, head_in_flight=head_alive)  # fmt: skip
+                              chunks=chunks, root_params=root, head_share=head_alive)  # fmt: skip
         memory = mem.peak(layout.activation_checkpoint == "full")
         block_flops = per_block * len(blocks) * tokens_rank / layout.tp
         forward = block_flops + (flops.head * tokens_rank / layout.tp if last else 0)

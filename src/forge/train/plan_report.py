@@ -9,23 +9,24 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
     params 4P (fp32 master weights) + AdamW 8P (exp_avg, exp_avg_sq)
     + FSDP gather buffers in the compute dtype: 2 unsharded blocks (the one computing, the one prefetched) and the
       root unit's parameters (embedding, final norm, head), which FSDP keeps gathered from the forward to the end
-      of the backward; DDP's and HSDP's replicas have them too (FSDP2 over a shard group of one still copies the
+      of the backward; so does DDP (dp_replicate > 1, dp_shard 1: FSDP2 over a shard group of one still copies the
       parameters into its gather buffers)
     + grads 4P + activations when the gradients exist at the start of a backward (gradient accumulation, or a
       1F1B pipeline); else the larger of the two (zero_grad sets them to None: they grow as the backward frees
       the activations)
     activations: in-flight micro-batch tokens T = micro_batch_size x seq_len (x the rank's in-flight share of the
-      pipeline chunks: all under GPipe, pp - r of them on 1F1B's rank r), one pipeline chunk's tokens T_c (T without
-      a pipeline), the head's in-flight tokens T_h (T_c under a 1F1B schedule: the last stage runs each chunk's
-      backward right after its forward; else T)
-        no checkpointing:    T x L_r x block + T_h x head + T_c x g V / tp
-        full checkpointing:  T x L_r x d / tp + max(T_h x head + T_c x g V / tp, T_c x block + (T_h - T_c) x head)
-      times bytes, where block = (7 d + 2 kv + 4 f) / tp (+ 2 d under tp: the all-gathered inputs of the
-      attention and the MLP that their matmuls keep) and head = 2 d / tp (+ d under tp) + k V / tp on the last
-      stage (final norm input and output, and what the loss keeps of the logits, split over the vocabulary under
-      tp: their fp32 log-softmax, k = 1; a pipeline stage also keeps its output, the logits, k = 2). A chunk's
-      backward then holds g V / tp more per token: the log-softmax's gradient and the logits' (g = 2), and under
-      tp the vocabulary-parallel loss's exponentials too (g = 3). L_r are the
+      pipeline chunks: all under GPipe, min(chunks, pp - r) on 1F1B's rank r, and torch's warm-up plus one of its
+      stage-chunks under interleaved 1F1B), one pipeline chunk's tokens T_c (T without a pipeline), the head's
+      in-flight tokens T_h (T_c under a 1F1B schedule: the last stage runs each chunk's backward right after its
+      forward; else T)
+        no checkpointing:    T x L_r x block + T_h x head + T_c x head_grads
+        full checkpointing:  T x L_r x d / tp + max(T_h x head + T_c x head_grads, T_c x block + (T_h - T_c) x head)
+      where block = (7 d + 2 kv + 4 f) / tp (+ 2 d under tp: the all-gathered inputs of the attention and the MLP
+      that their matmuls keep) times bytes, and on the last stage head = (2 d / tp (+ d under tp)) x bytes (final
+      norm input and output) + 4 V / tp (the loss's fp32 log-softmax, split over the vocabulary under tp; the loss
+      frees the logits, but a pipeline stage keeps its output: + V / tp x bytes) and head_grads = 4 g V / tp (the
+      backward's fp32 gradients of the log-softmax and the logits, g = 2, and under tp the vocabulary-parallel
+      loss's exponentials too, g = 3). L_r are the
       rank's blocks, d the model width, kv the key/value width, f the MLP hidden width (in an MoE block the
       hidden width each token passes through: expert size x (top_k + shared experts), averaged over the
       blocks); a model.head_dim that sets the query width q apart from d counts 4 d + 3 q in place of 7 d;
@@ -150,15 +151,22 @@ def block_gather_params(args, degrees: Degrees) -> float:
 
 def pipeline_in_flight(pp: int, schedule: str, microbatches: int, pp_rank: int = 0, stages: int = 1) -> float:
     """Fraction of a micro-batch whose activations are alive at once on pipeline rank `pp_rank` (with `stages` per
-    rank): all of it without a pipeline or under GPipe; under torch's 1F1B rank r runs pp - r forwards before its
-    first backward, under interleaved 1F1B (stages - 1) x pp + 2 (pp - 1 - r) stage-chunks and then one more (the
-    steady state's forward comes before its backward)."""
+    rank): all of it without a pipeline or under GPipe; torch's 1F1B runs pp - r forwards on rank r before its first
+    backward, interleaved 1F1B interleaved_warmup's stage-chunks, and then one more (the steady state's forward comes
+    before its backward)."""
     if pp == 1 or schedule == "gpipe":
         return 1.0
     if stages == 1:
         return min(microbatches, pp - pp_rank) / microbatches
-    alive = (stages - 1) * pp + 2 * (pp - 1 - pp_rank) + 1
+    alive = interleaved_warmup(pp, microbatches, pp_rank, stages) + 1
     return min(stages * microbatches, alive) / (stages * microbatches)
+
+
+def interleaved_warmup(pp: int, microbatches: int, pp_rank: int, stages: int) -> int:
+    """The forwards torch's interleaved 1F1B runs on `pp_rank` before its first backward: (stages - 1) rounds of
+    microbatches and two per hop from the last rank, at most every stage-chunk (ScheduleInterleaved1F1B)."""
+    per_round = microbatches // max(1, microbatches // pp)
+    return min((stages - 1) * per_round + 2 * (pp - 1 - pp_rank), stages * microbatches)
 
 
 def head_in_flight(pp: int, schedule: str, microbatches: int) -> float | None:
@@ -183,7 +191,7 @@ def estimate_memory(
     chunks: int = 1,
     root_params: float = 0.0,
     local_experts: int = 0,
-    head_in_flight: float | None = None,
+    head_share: float | None = None,
 ) -> MemoryEstimate:
     """The peak memory of the module docstring's formula. `dense_masks`: attention runs SDPA under a boolean mask
     (document masking, or a sliding window, without flex), which SDPA keeps converted to the compute dtype per
@@ -192,20 +200,20 @@ def estimate_memory(
     with one chunk's gradients of the logits). `root_params`: the parameters outside the blocks that this rank
     holds, per tp rank (embedding, final norm, head): FSDP's root unit, which stays gathered from the forward to the
     end of the backward. `local_experts`: the routed expert parameters among `local_params`; under deferred sync
-    they accumulate unsharded over their own FSDP group, dp_shard / ep ranks, not dp_shard x cp. `head_in_flight`:
-    the fraction of a micro-batch whose head activations are alive (forge.train.plan_report.head_in_flight; None:
-    `in_flight`)."""
+    they accumulate unsharded over their own FSDP group, dp_shard / ep ranks, not dp_shard x cp. `head_share`:
+    the fraction of a micro-batch whose head activations are alive (head_in_flight; None: `in_flight`)."""
     cp, tp = degrees.cp, degrees.tp
     tokens = micro_batch_size * seq_len * in_flight / cp
-    head_tokens = tokens if head_in_flight is None else micro_batch_size * seq_len * head_in_flight / cp
+    head_tokens = tokens if head_share is None else micro_batch_size * seq_len * head_share / cp
     chunk_tokens = micro_batch_size * seq_len / cp / chunks
     gathered = 1 if tp > 1 else 0  # sequence parallel: each matmul keeps its all-gathered (whole) input
-    # the final norm's input and output and the logits' log-softmax (split over the vocabulary under tp; the loss
-    # frees the logits, a pipeline stage keeps them as its output); a chunk's backward adds the gradients of both,
-    # and under tp the vocabulary-parallel loss's exponentials
-    kept = 2 if degrees.pp > 1 else 1
-    head = (2 * args.dim / tp + gathered * args.dim + kept * args.vocab_size / tp) if has_head else 0
-    head_grads = chunk_tokens * (3 if tp > 1 else 2) * args.vocab_size / tp if has_head else 0
+    # bytes per token: the final norm's input and output, and the logits' log-softmax in fp32 (split over the
+    # vocabulary under tp; the loss frees the logits, a pipeline stage keeps them as its output); a chunk's backward
+    # adds the fp32 gradients of both, and under tp the vocabulary-parallel loss's exponentials
+    vocab = args.vocab_size / tp
+    logits = vocab * act_bytes if degrees.pp > 1 else 0
+    head = ((2 * args.dim / tp + gathered * args.dim) * act_bytes + 4 * vocab + logits) if has_head else 0
+    head_grads = chunk_tokens * (3 if tp > 1 else 2) * 4 * vocab if has_head else 0
     # context parallel: SDPA keeps the whole sequence's keys and values (cp x the rank's own)
     block = (block_activation_elems(args) + saved_kv_width(args) * (cp - 1)) / tp + gathered * 2 * args.dim
     # a dense mask: the boolean (seq / cp x seq) mask per sample lives through the forward, and each block's SDPA
@@ -214,12 +222,12 @@ def estimate_memory(
     rows = micro_batch_size * in_flight if dense_masks else 1
     sdpa = getattr(args, "attention", "sdpa") == "sdpa"  # flex's BlockMask is (seq / 128)^2 blocks: left out
     mask = rows * seq_len * seq_len / cp if sdpa and (dense_masks or cp > 1) else 0
-    full = (tokens * rank_blocks * block + head_tokens * head + head_grads) * act_bytes
+    full = tokens * rank_blocks * block * act_bytes + head_tokens * head + head_grads
     full += mask * (1 + rank_blocks * act_bytes)
     # full checkpointing: each block's input, then the head's backward, or one chunk's recomputed block beside
     # the other chunks' logits
-    later = max(head_tokens * head + head_grads, chunk_tokens * block + (head_tokens - chunk_tokens) * head)
-    ckpt = (tokens * rank_blocks * args.dim / tp + later) * act_bytes + mask * (1 + act_bytes)
+    later = max(head_tokens * head + head_grads, chunk_tokens * block * act_bytes + (head_tokens - chunk_tokens) * head)
+    ckpt = tokens * rank_blocks * args.dim / tp * act_bytes + later + mask * (1 + act_bytes)
     shard = degrees.fsdp_shard
     # replicas too: FSDP2 over (dp_replicate, 1) copies the parameters into its gather buffers all the same
     fsdp = shard > 1 or degrees.dp_replicate > 1
@@ -240,14 +248,14 @@ def grads_at_peak(
     """Whether gradients exist when the activations peak: an earlier micro-batch made them (gradient
     accumulation), or a pipeline chunk's backward did before a later chunk's forward. GPipe runs every forward
     first; torch's 1F1B runs pp - rank warm-up forwards on pipeline rank `pp_rank` (interleaved, with `stages` per
-    rank: (stages - 1) x pp + 2 (pp - 1 - rank) of its stages x chunks), so with chunks = pp the first rank too
-    runs every forward before its first backward."""
+    rank: interleaved_warmup of its stages x chunks), so with chunks = pp the first rank too runs every forward
+    before its first backward."""
     if micro_batches > 1:
         return True
     if pp == 1 or pp_schedule == "gpipe":
         return False
     forwards = stages * chunks
-    warmup = pp - pp_rank if stages == 1 else (stages - 1) * pp + 2 * (pp - 1 - pp_rank)
+    warmup = pp - pp_rank if stages == 1 else interleaved_warmup(pp, chunks, pp_rank, stages)
     return forwards > warmup
 
 
@@ -372,7 +380,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         ),
         chunks=chunks,
         root_params=root_params,
-        head_in_flight=head_in_flight(degrees.pp, parallel.pp_schedule, chunks),
+        head_share=head_in_flight(degrees.pp, parallel.pp_schedule, chunks),
     )
     checkpointed = parallel.activation_checkpoint == "full"
     lines.append(
