@@ -9,7 +9,6 @@ rounds; the step time is the mean logged step_time after the first step (which i
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.machine
 
 from benchmarks.machine import ROOT, cpu_flags  # noqa: E402
+from forge.metrics.plot import read_records  # noqa: E402
 
 SETTINGS = {
     "fixed 16 MiB (default)": "train.cpu_mmap_threshold_mib=16",
@@ -33,8 +33,7 @@ def step_seconds(ranks: int, overrides: list[str], folder: Path) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
     subprocess.run([*cmd, *overrides, f"hydra.run.dir={folder}"], cwd=ROOT, env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time"] for r in records if "step_time" in r and r["step"] > 1]
+    times = [r["step_time"] for r in read_records(folder) if "step_time" in r and r["step"] > 1]
     return statistics.mean(times)
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))  # for benchmarks.machine
 
 from benchmarks.machine import cpu_flags  # noqa: E402
 from forge.config import compose  # noqa: E402
+from forge.metrics.plot import read_records  # noqa: E402
 from forge.search.cost import Layout, ModelShape, predict  # noqa: E402
 from forge.search.devices import GIB, device_from_profile  # noqa: E402
 from forge.search.settings import SearchSettings  # noqa: E402
@@ -67,8 +68,7 @@ def step_seconds(ranks: int, overrides: list[str], steps: int) -> float:
         proc = torchrun(ranks, [*overrides, f"train.steps={steps}"], Path(tmp))
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
-        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if "step_time" in r]
+        timed = [r for r in read_records(Path(tmp)) if "step_time" in r]
     return statistics.median(r["step_time"] for r in timed[1:])
 
 

@@ -11,7 +11,6 @@ curves should agree within the dtype's noise).
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.machine
 
 from benchmarks.machine import ROOT, commit_src, cpu_flags  # noqa: E402
+from forge.metrics.plot import read_records  # noqa: E402
 
 
 def default_run(src: Path, steps: int, run_dir: Path) -> tuple[float, float, float]:
@@ -29,8 +29,7 @@ def default_run(src: Path, steps: int, run_dir: Path) -> tuple[float, float, flo
     env = {**os.environ, "PYTHONPATH": str(src)}
     cmd = [sys.executable, "-m", "forge.train", f"train.steps={steps}", f"hydra.run.dir={run_dir}"]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    logged = [r for r in records if "tokens_per_s" in r]
+    logged = [r for r in read_records(run_dir) if "tokens_per_s" in r]
     timed = logged[1:] or logged
     rate = statistics.median(r["tokens_per_s"] for r in timed)
     return rate, statistics.median(r.get("mfu", float("nan")) for r in timed), logged[-1]["loss"]

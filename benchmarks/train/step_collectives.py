@@ -12,7 +12,6 @@ rounds. CPU flags are printed (bf16 paths differ by machine).
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.machine
 
 from benchmarks.machine import ROOT, commit_src, cpu_flags  # noqa: E402
+from forge.metrics.plot import read_records  # noqa: E402
 
 CASES = {
     "dense": ["model=llama_tiny", "train.seq_len=64", "train.global_batch_size=4"],
@@ -38,8 +38,7 @@ def step_times(src: Path, overrides: list[str], run_dir: Path, steps: int) -> li
         "train.dtype=fp32", "scheduler.warmup_steps=0", "metrics.console=quiet", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     subprocess.run(cmd, cwd=run_dir.parent, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_time"] for r in records if "step_time" in r][1:]
+    return [r["step_time"] for r in read_records(run_dir) if "step_time" in r][1:]
 
 
 def main() -> None:

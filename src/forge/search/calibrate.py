@@ -28,6 +28,11 @@ BUFFER_BYTES = 16 * 2**20
 """Bytes per rank of each timed collective: large enough that bandwidth, not latency, sets the time."""
 
 
+def _synchronizer(device: torch.device):
+    """Waits for the device's queued work (a no-op on a CPU, whose collectives return when done)."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
 def _best_seconds(run, reps: int = 5) -> float:
     best = float("inf")
     for _ in range(reps):
@@ -46,7 +51,7 @@ def measure_collectives(device: torch.device) -> dict[str, float]:
     elems = BUFFER_BYTES // 4 // n * n
     full = torch.ones(elems, device=device)
     shard = torch.ones(elems // n, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
 
     def timed(op) -> float:
         def run() -> None:
@@ -81,7 +86,7 @@ def measure_latency(device: torch.device, fp32_flops: float, reps: int = 20) -> 
     a = torch.randn(size, size, device=device)
     products = max(1, round(BURST_S * fp32_flops / (2 * size**3)))
     one = torch.zeros(1, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
     dist.all_reduce(one)
     sync()
     seconds = []
