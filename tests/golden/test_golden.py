@@ -1,4 +1,4 @@
-"""The loss curves of the default model, the default MoE, a VLM strategy and 2-rank FSDP are the recorded ones.
+"""The loss curves of the default model, the default MoE and a VLM strategy are the recorded ones.
 
 A refactor that changes no behaviour leaves every curve within the recorded tolerance (another CPU's rounding,
 measured by tests/golden/regenerate.py); a change of the learning rate by 1 % already moves each curve by many

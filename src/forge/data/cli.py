@@ -9,6 +9,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from forge.config import conf_dir, register_schemas
 from forge.data.sources import DataError
+from forge.quick_exit import run_then_quick_exit
 
 log = logging.getLogger("forge")
 
@@ -36,5 +37,10 @@ def main() -> None:
     hydra.main(config_path=str(conf_dir()), config_name="prepare", version_base="1.3")(_task)()
 
 
+def cli() -> None:
+    """The forge-prepare-data command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
+    run_then_quick_exit(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -1,3 +1,3 @@
-from forge.train.main import main
+from forge.train.main import cli
 
-main()
+cli()

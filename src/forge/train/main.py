@@ -14,6 +14,7 @@ from forge.config import ConfigError, conf_dir, register_schemas, validate
 from forge.config.errors import composition_message
 from forge.config.help import field_help
 from forge.data.sources import DataError
+from forge.quick_exit import run_then_quick_exit
 from forge.train.plan_report import take_plan_flag
 
 log = logging.getLogger("forge")
@@ -151,5 +152,10 @@ def main() -> None:
         sys.exit(EXIT_CONFIG_ERROR)
 
 
+def cli() -> None:
+    """The forge-train command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
+    run_then_quick_exit(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()
