@@ -3,13 +3,15 @@
     .venv/bin/python benchmarks/train/vs_transformers.py [--shape 256:4:256:8 --shape 1024:4:512:4 --dtype auto
         --steps 3 --no-compile --profile 15]
 
-A shape is dim:layers:seq:batch (heads = dim / 64, vocab 8192, SwiGLU hidden 4 x dim). For each shape, five
+A shape is dim:layers:seq:batch (heads = dim / 64, vocab 8192, SwiGLU hidden 4 x dim). For each shape, seven
 contenders take AdamW steps on the same random tokens, in turns, so the machine's noise hits all alike:
 - forge eager: the trainer's step (autocast in the resolved dtype, fp32 cross-entropy, fused AdamW, the default);
 - forge eager, torch's AdamW choice (`optimizer.fused=false`): what the fused kernel saves;
-- forge compiled: the trainer's per-block torch.compile (`parallel.compile=true`);
+- forge compiled: the per-block torch.compile, with the loss eager;
+- forge compiled, compiled loss: what `parallel.compile=true` trains with (blocks and cross-entropy compiled);
 - transformers eager and transformers compiled (`torch.compile` of the whole HF model), with the same fused AdamW,
-  so the comparison is of the models' forward and backward.
+  so the comparison is of the models' forward and backward; and transformers compiled with the same compiled
+  cross-entropy as forge's.
 Each row gives tokens/s, the ratio to transformers eager and to transformers compiled, and the MFU against the
 matmul peak measured in the same run (the best of square products and the model's widest product, in bursts
 between the steps: the rate when nothing else runs). FLOPs per token are forge.metrics.flops', as the trainer's
@@ -35,23 +37,41 @@ from benchmarks.train.mfu import parse_shape, peak_flops  # noqa: E402
 from forge.metrics.flops import count_flops_per_token  # noqa: E402
 from forge.model import TransformerArgs, build_transformer  # noqa: E402
 from forge.parallel.plan import apply_compile  # noqa: E402
+from forge.train.losses import compiled_cross_entropy  # noqa: E402
 from forge.train.precision import autocast, resolve_dtype  # noqa: E402
 
 VOCAB = 8192
 
 
-def step_fn(model: torch.nn.Module, logits_of: Callable, fused: bool, tokens: torch.Tensor, dtype: str) -> Callable:
+def eager_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def step_fn(
+    model: torch.nn.Module,
+    logits_of: Callable,
+    fused: bool,
+    tokens: torch.Tensor,
+    dtype: str,
+    loss_of: Callable = eager_cross_entropy,
+) -> Callable:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
 
     def step() -> None:
         with autocast(torch.device("cpu"), dtype):
             logits = logits_of(model, tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss = loss_of(logits, tokens[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def build_compiled(args: TransformerArgs) -> torch.nn.Module:
+    model = build_transformer(args)
+    apply_compile(model)
+    return model
 
 
 def contenders(dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str, compile_: bool) -> dict:
@@ -75,10 +95,14 @@ def contenders(dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str
         "transformers eager": step_fn(LlamaForCausalLM(hf_config), theirs, True, tokens, dtype),
     }
     if compile_:
-        compiled = build_transformer(args)
-        apply_compile(compiled)
+        compiled = build_compiled(args)
         runs["forge compiled"] = step_fn(compiled, ours, True, tokens, dtype)
-        runs["transformers compiled"] = step_fn(torch.compile(LlamaForCausalLM(hf_config)), theirs, True, tokens, dtype)
+        loss = compiled_cross_entropy()
+        runs["forge compiled, compiled loss"] = step_fn(build_compiled(args), ours, True, tokens, dtype, loss)
+        hf_compiled = torch.compile(LlamaForCausalLM(hf_config))
+        runs["transformers compiled"] = step_fn(hf_compiled, theirs, True, tokens, dtype)
+        hf_compiled = torch.compile(LlamaForCausalLM(hf_config))
+        runs["transformers compiled, compiled loss"] = step_fn(hf_compiled, theirs, True, tokens, dtype, loss)
     return args, runs
 
 

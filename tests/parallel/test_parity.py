@@ -108,7 +108,8 @@ def test_per_block_compile_matches_one_process(layout, tmp_path, reference):
     cmd = [sys.executable, *ranks, *(["-m", "forge.train"] if ranks else forge_cmd()[1:]), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "torch.compile of 2 blocks" in (tmp_path / "forge.log").read_text()
+    log = (tmp_path / "forge.log").read_text()
+    assert "torch.compile of 2 blocks" in log and "torch.compile of the loss's cross-entropy" in log
     run = curves(tmp_path)
     for key in ("loss", "grad_norm", "val_loss"):
         assert run[key] == pytest.approx(reference[key], rel=COMPILE_RTOL), key

@@ -106,3 +106,27 @@ def test_chunked_run_follows_the_plain_curve_and_z_loss_run_learns(tmp_path):
     z = train_losses(tmp_path / "z", "loss=z_loss", "loss.z_loss_weight=1e-3")
     assert z[-1] < z[0] - 0.5
     assert z[0] > plain[0]  # the same first batch, plus the z term (log Z ~ log 8192 at initialisation)
+
+
+def test_parallel_compile_takes_the_cross_entropy_through_torch_compile_with_the_eager_values():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # a graph another test compiled in this process would not count again
+    cfg = compose(["parallel=single", "parallel.compile=true", "loss=z_loss", "loss.z_loss_weight=1e-2"])
+    compiled, eager = build.build_loss(cfg), CrossEntropyLoss(z_loss_weight=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    base = 4 * torch.randn(3, 7, 50, generator=gen)
+    labels = torch.randint(0, 50, (3, 7), generator=gen)
+    labels[0, :3] = -100
+    results = []
+    for loss_fn in (compiled, eager):
+        before = counters["stats"]["unique_graphs"]
+        logits = base.clone().requires_grad_()
+        loss = loss_fn(lambda inputs, attn_mask=None, x=logits: x, None, labels)
+        loss.backward()
+        results.append((loss.detach(), logits.grad, counters["stats"]["unique_graphs"] - before))
+    (loss_c, grad_c, graphs_c), (loss_e, grad_e, graphs_e) = results
+    assert graphs_c >= 1 and graphs_e == 0  # only the compiled loss went through dynamo
+    # one fp32 log-softmax of 50 values per token, summed in another order: a few ulp of the loss
+    assert loss_c.item() == pytest.approx(loss_e.item(), rel=1e-6)
+    torch.testing.assert_close(grad_c, grad_e, rtol=1e-5, atol=1e-7)

@@ -68,7 +68,8 @@ class ParallelConfig:
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     """Activation checkpointing: none, full (every block) or selective (keeps matmul outputs)."""
     compile: bool = False
-    """torch.compile each block."""
+    """torch.compile each block, and the training loss's cross-entropy (conf/loss cross_entropy or z_loss, when
+    the logits are not split by TP; a pipeline's last stage keeps it eager)."""
     fp8: bool = False
     """Float8 training of linear layers through torchao (needs a GPU with fp8, or runs slowly on CPU)."""
     world_size: Optional[int] = None

@@ -47,10 +47,15 @@ def build_optimizer(cfg: DictConfig, model: nn.Module):
 
 
 def build_loss(cfg: DictConfig):
-    """The training loss (conf/loss); plain cross-entropy when the config has no loss group."""
+    """The training loss (conf/loss); plain cross-entropy when the config has no loss group. Under
+    parallel.compile a loss that can (CrossEntropyLoss) takes its cross-entropy through torch.compile."""
     from forge.train.losses import CrossEntropyLoss
 
-    return instantiate(cfg.loss) if cfg.get("loss") is not None else CrossEntropyLoss()
+    loss = instantiate(cfg.loss) if cfg.get("loss") is not None else CrossEntropyLoss()
+    if cfg.parallel.get("compile") and hasattr(loss, "compile"):
+        loss.compile()
+        log.info("torch.compile of the loss's cross-entropy")
+    return loss
 
 
 def build_corpus(cfg: DictConfig) -> Corpus:

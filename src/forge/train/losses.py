@@ -20,6 +20,7 @@ drops from several (tokens x vocab) fp32 tensors to two of (chunk x vocab).
 """
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -71,8 +72,21 @@ def _loss_parallel() -> Iterator[None]:
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy in fp32 (labels of -100 are ignored). Vocabulary-split logits need
     `loss_context(True)` around the forward and the backward; the result is then a plain tensor too."""
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    loss = _token_cross_entropy(logits, labels)
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+@functools.cache
+def compiled_cross_entropy() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`cross_entropy` of plain-tensor logits through torch.compile (parallel.compile): inductor fuses the fp32
+    upcast, log-softmax and target pick into one pass forward and one backward, where eager writes the fp32
+    log-softmax, then a zero-filled gradient of the same size and its scatter (2048 x 8192 logits on a 2-core EPYC:
+    75 ms eager, 47 ms compiled, forward and backward)."""
+    return torch.compile(_token_cross_entropy)
 
 
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:
@@ -101,11 +115,18 @@ class CrossEntropyLoss:
     z_loss_weight: float = 0.0
     """Weight of PaLM's z-loss, mean(logsumexp(logits)^2) over labelled tokens (1e-4 in PaLM; 0 = off)."""
 
+    def compile(self) -> None:
+        """Take the cross-entropy of plain logits through torch.compile from now on (parallel.compile)."""
+        self._compiled = True
+
     def __call__(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         logits = model(inputs, attn_mask=attn_mask)
-        loss = cross_entropy(logits, labels)
+        if getattr(self, "_compiled", False) and not isinstance(logits, DTensor):
+            loss = compiled_cross_entropy()(logits, labels)
+        else:
+            loss = cross_entropy(logits, labels)
         if self.z_loss_weight:
             loss = loss + self.z_loss_weight * z_loss(logits, labels)
         return loss
