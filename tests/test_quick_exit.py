@@ -35,6 +35,12 @@ SCRIPT = textwrap.dedent(
         run_then_quick_exit(lambda: 5)
     elif mode == "raises":
         run_then_quick_exit(lambda: sys.exit(2))
+    elif mode == "profiled":
+        sys.setprofile(lambda *args: None)
+        try:
+            run_then_quick_exit(lambda: 4)
+        finally:  # reached only when the exit unwinds the stack, as SystemExit does and os._exit does not
+            (out / "unwound").write_text("yes")
     """
 )
 
@@ -66,3 +72,9 @@ def test_the_entry_point_exits_with_mains_code_and_leaves_an_error_to_python(tmp
     raised = run(tmp_path, "raises")
     assert raised.returncode == 2
     assert (tmp_path / "teardown").read_text() == "ran"  # SystemExit went through Python's own exit
+
+
+def test_under_a_profiler_the_exit_is_pythons_so_the_profile_gets_written(tmp_path):
+    done = run(tmp_path, "profiled")
+    assert done.returncode == 4, done.stderr
+    assert (tmp_path / "unwound").read_text() == "yes"

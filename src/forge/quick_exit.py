@@ -8,7 +8,8 @@ it waits for the non-daemon threads (as interpreter shutdown does), runs the ate
 close, multiprocessing's cleanup, the process group's destroy, trackers' finish), flushes stdout and stderr, and
 calls os._exit.
 
-Only a command-line entry point calls it, after its work returned normally: an error keeps Python's own exit.
+Only a command-line entry point calls it, after its work returned normally: an error, a profiler or a debugger
+keeps Python's own exit.
 """
 
 import atexit
@@ -35,5 +36,10 @@ def quick_exit(code: int = 0) -> NoReturn:
 
 def run_then_quick_exit(main: Callable[[], int | None]) -> NoReturn:
     """A console script's body: `main()`, then quick_exit with the code it returned (None: 0); a SystemExit or an
-    error raised by main leaves through Python's normal exit, with its code and traceback."""
-    quick_exit(main() or 0)
+    error raised by main leaves through Python's normal exit, with its code and traceback. Under a profiler or a
+    tracer (`python -m cProfile`, a debugger) the exit is Python's too: cProfile writes its file after the module
+    returns, which os._exit would skip."""
+    code = main() or 0
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(code)
+    quick_exit(code)

@@ -102,12 +102,19 @@ def search_report(cfg: DictConfig) -> str:
     where = settings.device if settings.profile is None else f"{device.name} (profile {settings.profile})"
     lines = [f"search: {considered} layouts of {world} ranks considered, {len(fitting)} fit in "
              f"{memory:.1f} GiB x {1 - settings.memory_headroom:.2f} per {where}", *notes]  # fmt: skip
+    refusals: dict[int, str | None] = {}  # validation of a layout, once: it copies and checks the whole config
+
+    def refusal_of(prediction: Prediction) -> str | None:
+        if id(prediction) not in refusals:
+            refusals[id(prediction)] = valid(cfg, prediction)
+        return refusals[id(prediction)]
+
     shown: list[Prediction] = []
     refused, first_refusal = 0, ""
     for prediction in fitting:
         if len(shown) == settings.top:
             break
-        refusal = valid(cfg, prediction)
+        refusal = refusal_of(prediction)
         if refusal is None:
             shown.append(prediction)
         else:
@@ -130,7 +137,7 @@ def search_report(cfg: DictConfig) -> str:
                      f"{p.tokens / p.step:>10,.0f} {mfu:>6.1%}  {p.dominant}")  # fmt: skip
     winner = shown[0]
     lines.append("winner: " + " ".join(winner.layout.overrides()))
-    runner_up = next((p for p in fitting if p.layout.degrees != winner.layout.degrees and valid(cfg, p) is None), None)
+    runner_up = next((p for p in fitting if p.layout.degrees != winner.layout.degrees and refusal_of(p) is None), None)
     if runner_up is not None:
         lines.append(why_slower(runner_up, winner))
     lines.append("cost model: forge.search.cost (predicted, not measured)")
