@@ -167,7 +167,8 @@ SMALL_MLA = [
 
 def test_a_latent_attention_model_trains_on_the_embedded_corpus(tmp_path):
     run = [*SMALL_MLA, "train.steps=8", "train.log_every=1", "train.eval_every=0", "train.dtype=fp32",
-           "scheduler.warmup_steps=2", "metrics.console=quiet"]  # fmt: skip
+           "train.seq_len=128", "train.eval_batches=1", "scheduler.warmup_steps=2",
+           "metrics.console=quiet"]  # fmt: skip
     trainer = Trainer(compose(run), tmp_path / "run")
     assert type(trainer.model.layers["0"].attention).__name__ == "LatentAttention"
     trainer.fit()
