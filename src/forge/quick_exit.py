@@ -43,3 +43,8 @@ def run_then_quick_exit(main: Callable[[], int | None]) -> NoReturn:
     if sys.getprofile() is not None or sys.gettrace() is not None:
         sys.exit(code)
     quick_exit(code)
+
+
+def command(main: Callable[[], int | None]) -> Callable[[], NoReturn]:
+    """The console-script entry point (pyproject's [project.scripts]) of a `main`: run_then_quick_exit(main)."""
+    return lambda: run_then_quick_exit(main)

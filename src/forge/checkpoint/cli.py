@@ -5,7 +5,7 @@ import sys
 
 from forge.checkpoint.convert import FORMATS, convert
 from forge.checkpoint.errors import CheckpointError
-from forge.quick_exit import run_then_quick_exit
+from forge.quick_exit import command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,9 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def cli() -> None:
-    """The forge-convert command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
-    run_then_quick_exit(main)
+cli = command(main)
+"""The forge-convert command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
 
 
 if __name__ == "__main__":

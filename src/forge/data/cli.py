@@ -9,7 +9,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from forge.config import conf_dir, register_schemas
 from forge.data.sources import DataError
-from forge.quick_exit import run_then_quick_exit
+from forge.quick_exit import command
 
 log = logging.getLogger("forge")
 
@@ -37,9 +37,8 @@ def main() -> None:
     hydra.main(config_path=str(conf_dir()), config_name="prepare", version_base="1.3")(_task)()
 
 
-def cli() -> None:
-    """The forge-prepare-data command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
-    run_then_quick_exit(main)
+cli = command(main)
+"""The forge-prepare-data command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from forge.config import ConfigError, conf_dir, register_schemas, validate
 from forge.config.errors import composition_message
 from forge.config.help import field_help
 from forge.data.sources import DataError
-from forge.quick_exit import run_then_quick_exit
+from forge.quick_exit import command
 from forge.train.plan_report import take_plan_flag
 
 log = logging.getLogger("forge")
@@ -152,9 +152,8 @@ def main() -> None:
         sys.exit(EXIT_CONFIG_ERROR)
 
 
-def cli() -> None:
-    """The forge-train command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
-    run_then_quick_exit(main)
+cli = command(main)
+"""The forge-train command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
 
 
 if __name__ == "__main__":
