@@ -34,3 +34,22 @@ def autocast(device: torch.device, dtype: str):
     if dtype == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
+
+
+def holds_weight_casts(dtype: str, micro_batches: int, sharded: bool, checkpointed: bool) -> bool:
+    """Whether one optimizer step casts each fp32 weight to bf16 once (`held_weight_casts`) rather than once per
+    micro-batch: under bf16 with two or more micro-batches, when holding the casts adds nothing to the peak memory.
+    That holds when the weights are whole on the rank (not FSDP-sharded, where each block's gathered weights are
+    freed after use) and the blocks are not checkpointed (their casts are then freed after the forward and made
+    again in the recompute): the casts are kept for backward anyway, and each micro-batch's forward ends with all
+    of them alive."""
+    return dtype == "bf16" and micro_batches > 1 and not sharded and not checkpointed
+
+
+def held_weight_casts(device: torch.device, hold: bool):
+    """A scope around one optimizer step's micro-batches (forwards and backwards) in which autocast keeps its bf16
+    casts of the fp32 weights: the first forward casts each weight, the later ones reuse the cast, and every
+    backward still sums the weight's gradient in fp32. Autocast itself stays off in the scope (each forward enters
+    its own): an open autocast scope only keeps the cache, which torch clears when the outermost one exits, before
+    the optimizer changes the weights."""
+    return torch.autocast(device.type, enabled=False) if hold else nullcontext()

@@ -30,7 +30,7 @@ from forge.train import build
 from forge.train.freeze import Unfrozen
 from forge.train.host_malloc import set_mmap_threshold
 from forge.train.losses import cross_entropy
-from forge.train.precision import resolve_dtype
+from forge.train.precision import holds_weight_casts, resolve_dtype
 from forge.train.run_files import save_hydra_files
 from forge.train.steps import PipelineStep, Step, TextStep, token_mean
 
@@ -98,6 +98,11 @@ class Trainer:
         self.eval_micro_batches = train.eval_batches * self.grad_accum  # per rank: eval_batches global batches
         defer = cfg.parallel.get("defer_grad_sync")
         self.defer_grad_sync = self.degrees.fsdp_shard == 1 if defer is None else defer  # sharded: reduce each time
+        self.holds_weight_casts = holds_weight_casts(
+            self.dtype, self.grad_accum, self.degrees.fsdp_shard > 1, cfg.parallel.activation_checkpoint != "none"
+        )
+        if self.holds_weight_casts:
+            log.info("bf16 casts of the weights: once per step, for its %d micro-batches", self.grad_accum)
 
         self.build_model_and_data()
         self.float8_all_gather = float8_all_gather_enabled(self.model)
@@ -150,6 +155,7 @@ class Trainer:
                 self.defer_grad_sync,
                 train_loss=self.batch_loss,
                 context=context,
+                hold_weight_casts=self.holds_weight_casts,
             )
         self.model = self.step.model
 

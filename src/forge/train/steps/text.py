@@ -15,7 +15,7 @@ from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.grads import clip_grad_norm, scale_grads, set_gradient_sync
 from forge.parallel.mesh import start_sum_over_token_ranks, token_ranks
 from forge.train.losses import IGNORE_INDEX, CrossEntropyLoss, Loss, loss_context
-from forge.train.precision import autocast
+from forge.train.precision import autocast, held_weight_casts
 
 EVAL_LOSS = CrossEntropyLoss()
 """Validation is plain cross-entropy, whatever conf/loss trains with (a z-loss term is not part of it)."""
@@ -29,6 +29,8 @@ class TextStep:
     `defer_grad_sync` reduces the gradients only after the last micro-batch (unsharded models; sharded ones reduce
     at every micro-batch, so that no unsharded gradient is held between them). With `context` (context
     parallelism) each micro-batch's forward, loss and token count cover this rank's part of every sequence.
+    `hold_weight_casts` casts each fp32 weight to bf16 once per step, not per micro-batch (see
+    forge.train.precision.holds_weight_casts for when the trainer asks for it).
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class TextStep:
         defer_grad_sync: bool = False,
         train_loss: Callable[[Batch], torch.Tensor] | None = None,
         context: ContextSplit | None = None,
+        hold_weight_casts: bool = False,
     ):
         self.model = model
         self.device = device
@@ -49,6 +52,7 @@ class TextStep:
         self.defer_grad_sync = defer_grad_sync
         self.train_loss = train_loss
         self.context = context
+        self.hold_weight_casts = hold_weight_casts
         # tensor parallelism leaves the logits split over the vocabulary: each loss runs under loss_parallel
         self.logits_split = mesh is not None and "tp" in (mesh.mesh_dim_names or ())
         # without router losses the step's token count can wait for the non-finite flags' all-reduce: the backward
@@ -84,19 +88,20 @@ class TextStep:
         if not self.count_folded:
             total, pending = start_sum_over_token_ranks(counts.sum(), self.mesh)
         loss_sum = torch.zeros((), device=self.device)
-        for micro, batch in enumerate(batches):
-            if self.defer_grad_sync:
-                set_gradient_sync(self.model, micro == len(batches) - 1)
-            with loss_context(self.logits_split):
-                loss = self.train_loss(batch)
-                if pending is not None:
-                    pending.wait()
-                    pending = None
-                weight = counts[micro] * self.token_ranks
-                if total is not None:
-                    weight = weight / total.clamp(min=1)
-                (loss * weight + router_losses(self.model) / len(batches)).backward()
-            loss_sum += loss.detach() * counts[micro]
+        with held_weight_casts(self.device, self.hold_weight_casts):
+            for micro, batch in enumerate(batches):
+                if self.defer_grad_sync:
+                    set_gradient_sync(self.model, micro == len(batches) - 1)
+                with loss_context(self.logits_split):
+                    loss = self.train_loss(batch)
+                    if pending is not None:
+                        pending.wait()
+                        pending = None
+                    weight = counts[micro] * self.token_ranks
+                    if total is not None:
+                        weight = weight / total.clamp(min=1)
+                    (loss * weight + router_losses(self.model) / len(batches)).backward()
+                loss_sum += loss.detach() * counts[micro]
         return loss_sum, counts.sum()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
