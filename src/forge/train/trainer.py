@@ -98,7 +98,8 @@ class Trainer:
         self.eval_micro_batches = train.eval_batches * self.grad_accum  # per rank: eval_batches global batches
         defer = cfg.parallel.get("defer_grad_sync")
         self.defer_grad_sync = self.degrees.fsdp_shard == 1 if defer is None else defer  # sharded: reduce each time
-        self.holds_weight_casts = holds_weight_casts(
+        # a pipeline's step keeps its casts for the schedule's chunks (one autocast scope around the schedule)
+        self.holds_weight_casts = self.degrees.pp == 1 and holds_weight_casts(
             self.dtype, self.grad_accum, self.degrees.fsdp_shard > 1, cfg.parallel.activation_checkpoint != "none"
         )
         if self.holds_weight_casts:
