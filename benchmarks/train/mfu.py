@@ -32,6 +32,13 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return dim, layers, seq, batch
 
 
+def shape_args(dim: int, layers: int, seq: int, vocab: int) -> TransformerArgs:
+    """The model of a benchmark shape: heads = dim / 64, SwiGLU hidden 4 x dim."""
+    return TransformerArgs(
+        dim=dim, n_layers=layers, n_heads=max(1, dim // 64), vocab_size=vocab, ffn_dim=4 * dim, max_seq_len=seq
+    )
+
+
 def rectangular_matmul_flops(m: int, k: int, n: int, device: torch.device, dtype: str, seconds: float) -> float:
     """FLOP/s of (m x k) @ (k x n), best of timed bursts: the model's own widest matmul shape."""
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
@@ -75,9 +82,7 @@ def main() -> None:
     print(f"| shape (dim, layers, seq, batch) | tokens/s | model GFLOP/s | {dtype} matmul peak GFLOP/s | MFU |")
     print("|---|---|---|---|---|")
     for dim, layers, seq, batch in shapes:
-        args = TransformerArgs(
-            dim=dim, n_layers=layers, n_heads=max(1, dim // 64), vocab_size=opts.vocab, ffn_dim=4 * dim, max_seq_len=seq
-        )
+        args = shape_args(dim, layers, seq, opts.vocab)
         model = build_transformer(args, device)
         if opts.compile:
             apply_compile(model)

@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.*
 
 from benchmarks.machine import cpu_flags  # noqa: E402
-from benchmarks.train.mfu import parse_shape, peak_flops  # noqa: E402
+from benchmarks.train.mfu import parse_shape, peak_flops, shape_args  # noqa: E402
 from forge.metrics.flops import count_flops_per_token  # noqa: E402
 from forge.model import TransformerArgs, build_transformer  # noqa: E402
 from forge.parallel.plan import apply_compile  # noqa: E402
@@ -75,9 +75,7 @@ def build_compiled(args: TransformerArgs) -> torch.nn.Module:
 
 
 def contenders(dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str, compile_: bool) -> dict:
-    args = TransformerArgs(
-        dim=dim, n_layers=layers, n_heads=max(1, dim // 64), vocab_size=VOCAB, ffn_dim=4 * dim, max_seq_len=seq
-    )
+    args = shape_args(dim, layers, seq, VOCAB)
     hf_config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=dim,

@@ -26,8 +26,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.machine
 
 from benchmarks.machine import cpu_flags  # noqa: E402
+from benchmarks.train.mfu import shape_args  # noqa: E402
 from forge.metrics.memory import peak_live_tensor_bytes  # noqa: E402
-from forge.model import TransformerArgs, build_transformer  # noqa: E402
+from forge.model import build_transformer  # noqa: E402
 from forge.train.losses import CrossEntropyLoss  # noqa: E402
 from forge.train.steps import TextStep  # noqa: E402
 
@@ -58,9 +59,7 @@ def main() -> None:
     dim, layers, seq, micro = (int(part) for part in opts.shape.split(":"))
     device = torch.device(opts.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    args = TransformerArgs(
-        dim=dim, n_layers=layers, n_heads=max(1, dim // 64), vocab_size=VOCAB, ffn_dim=4 * dim, max_seq_len=seq
-    )
+    args = shape_args(dim, layers, seq, VOCAB)
     model = build_transformer(args, device)
     loss = CrossEntropyLoss()
     step = TextStep(model, device, "bf16")

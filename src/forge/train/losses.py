@@ -115,6 +115,8 @@ class CrossEntropyLoss:
     z_loss_weight: float = 0.0
     """Weight of PaLM's z-loss, mean(logsumexp(logits)^2) over labelled tokens (1e-4 in PaLM; 0 = off)."""
 
+    _compiled = False  # set by compile(); a plain attribute, not a field, so not a conf/loss option
+
     def compile(self) -> None:
         """Take the cross-entropy of plain logits through torch.compile from now on (parallel.compile)."""
         self._compiled = True
@@ -123,7 +125,7 @@ class CrossEntropyLoss:
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         logits = model(inputs, attn_mask=attn_mask)
-        if getattr(self, "_compiled", False) and not isinstance(logits, DTensor):
+        if self._compiled and not isinstance(logits, DTensor):
             loss = compiled_cross_entropy()(logits, labels)
         else:
             loss = cross_entropy(logits, labels)
