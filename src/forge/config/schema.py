@@ -270,7 +270,8 @@ class TrainConfig:
     log_every: int = 10
     """Steps between log lines and metrics.jsonl records."""
     eval_every: int = 50
-    """Steps between evaluations on the validation split (0 = only at the end)."""
+    """Steps between evaluations on the validation split. A run also evaluates before its first step (the
+    summary's "val loss a -> b") and after its last: 0 evaluates only then."""
     eval_batches: int = 8
     """Validation data per evaluation, in global batches (train.global_batch_size samples each): the same samples
     whatever the micro-batch size and the number of ranks, so a resume in another layout continues the curve."""
