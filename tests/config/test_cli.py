@@ -1,6 +1,7 @@
 """forge-train as a user runs it: bad input exits non-zero within seconds and writes no checkpoint."""
 
 import subprocess
+import sys
 
 from tests.conftest import ROOT, forge_cmd
 
@@ -126,3 +127,29 @@ def test_a_choice_its_enum_does_not_have_is_one_line_and_exit_2(tmp_path):
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("forge-train: invalid config: ") and expected in lines[0], lines
         assert not (tmp_path / "run").exists()
+
+
+def imported_modules(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """forge-train's exit, and the modules it imported (Python's -X importtime lists each on stderr)."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", *forge_cmd(*args, f"hydra.run.dir={tmp_path / 'run'}")[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    names = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    return done, names
+
+
+def test_a_config_error_and_cfg_job_are_answered_without_importing_torch(tmp_path):
+    """Composing and checking a config needs no torch (~2 s of a 2-core start-up): a typo is refused, and `--cfg
+    job` prints, before it loads; a training run then imports it (the control, so the listing can fail)."""
+    for args, code in ((["train.steps=-1"], 2), (["nonsense=1"], 2), (["--cfg", "job"], 0)):
+        done, names = imported_modules(tmp_path, *args)
+        assert done.returncode == code, done.stderr[-2000:]
+        assert "hydra" in names and "forge.config.validate" in names
+        assert not {n for n in names if n == "torch" or n.startswith("torch.")}, args
+    done, names = imported_modules(tmp_path, "train.steps=1", "train.eval_batches=1", "model.n_layers=1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torch" in names

@@ -14,7 +14,7 @@ from omegaconf import MISSING, OmegaConf
 
 from forge.model.args import TransformerArgs
 from forge.search.settings import SearchSettings
-from forge.train.losses import ChunkedCrossEntropyLoss, CrossEntropyLoss
+from forge.train.loss_options import ChunkedCrossEntropyOptions, CrossEntropyOptions
 
 
 @dataclass
@@ -189,14 +189,14 @@ class ScheduleFreeOptimizerConfig:
 
 
 @dataclass
-class CrossEntropyLossConfig(CrossEntropyLoss):
+class CrossEntropyLossConfig(CrossEntropyOptions):
     """Mean token cross-entropy of the logits, plus an optional z-loss."""
 
     _target_: str = "forge.train.losses.CrossEntropyLoss"
 
 
 @dataclass
-class ChunkedCrossEntropyLossConfig(ChunkedCrossEntropyLoss):
+class ChunkedCrossEntropyLossConfig(ChunkedCrossEntropyOptions):
     """Cross-entropy with the output head applied a chunk of tokens at a time: the (tokens x vocab) logits are
     never held at once; loss and gradients equal the plain path's."""
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from forge.config.degrees import Degrees, resolve_degrees
@@ -15,15 +14,20 @@ from forge.config.schema import (
     MemmapDataConfig,
     VLMDataConfig,
 )
-from forge.model.vlm.connector import POOLING_CONNECTORS
 from forge.parallel.env import read_dist_env
-from forge.resilience.preemption import CATCHABLE_SIGNALS
+from forge.resilience.signals import CATCHABLE_SIGNALS
 from forge.train.host_malloc import MAX_THRESHOLD_MIB
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def cuda_available() -> bool:
+    import torch  # here, not at the top: most configs are checked (and most errors refused) without torch
+
+    return torch.cuda.is_available()
 
 
 def composed_from(node: DictConfig, schema: type) -> bool:
@@ -143,7 +147,7 @@ def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
 
     train = cfg.train
     if train.device == "cuda":
-        _require(torch.cuda.is_available(), "train.device=cuda but no CUDA device is available")
+        _require(cuda_available(), "train.device=cuda but no CUDA device is available")
     for key in ("steps", "seq_len", "global_batch_size", "log_every", "eval_batches"):
         _require(train[key] > 0, f"train.{key}={train[key]} must be positive")
     _require(
@@ -314,7 +318,9 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
             local_batch % micro == 0,
             f"train.micro_batch_size={local_batch} is not divisible by parallel.microbatches={micro}",
         )
-    if parallel.fp8 and torch.cuda.is_available():
+    if parallel.fp8 and cuda_available():
+        import torch
+
         _require(
             torch.cuda.get_device_capability() >= (8, 9),
             f"parallel.fp8=true needs a GPU with float8 (compute capability >= 8.9), got "
@@ -522,6 +528,8 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
         cfg.model.get("attention_kind", "gqa") == "gqa",
         "model.attention_kind=mla is not supported with a VLM (its decoders build grouped-query attention)",
     )
+    from forge.model.vlm.connector import POOLING_CONNECTORS
+
     if vlm.connector in POOLING_CONNECTORS:
         tokens = vlm.connector_tokens
         _require(tokens is not None and tokens >= 1, f"vlm.connector={vlm.connector} needs vlm.connector_tokens >= 1")
@@ -586,7 +594,7 @@ def validate_attention(cfg: DictConfig, degrees: Degrees) -> None:
             f"model.attention=flex with parallel.pp={degrees.pp} is not supported: pipeline stages are not built "
             "with BlockMasks; use model.attention=sdpa or parallel.pp=1",
         )
-        cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+        cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not cuda_available())
         _require(
             not (cpu and cfg.parallel.compile),
             "model.attention=flex with parallel.compile=true is not supported on CPU: inductor's CPU flex kernel has "

@@ -19,8 +19,6 @@ log = logging.getLogger("forge")
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" — requeue me
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C: the user stopped it, do not requeue
-CATCHABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
-"""The signals resilience.preemption_signals may name."""
 
 
 class PreemptionHandler:

@@ -31,6 +31,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
+from forge.train.loss_options import ChunkedCrossEntropyOptions, CrossEntropyOptions
+
 IGNORE_INDEX = -100
 
 
@@ -108,12 +110,9 @@ def z_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class CrossEntropyLoss:
-    """Mean token cross-entropy of the logits, plus an optional z-loss. (Its fields are conf/loss's options: the
-    schema is this dataclass with a `_target_`.)"""
-
-    z_loss_weight: float = 0.0
-    """Weight of PaLM's z-loss, mean(logsumexp(logits)^2) over labelled tokens (1e-4 in PaLM; 0 = off)."""
+class CrossEntropyLoss(CrossEntropyOptions):
+    """Mean token cross-entropy of the logits, plus an optional z-loss. (Its fields are conf/loss's options,
+    declared in forge.train.loss_options: the schema is that dataclass with a `_target_`.)"""
 
     _compiled = False  # set by compile(); a plain attribute, not a field, so not a conf/loss option
 
@@ -135,23 +134,14 @@ class CrossEntropyLoss:
 
 
 @dataclass
-class ChunkedCrossEntropyLoss:
+class ChunkedCrossEntropyLoss(ChunkedCrossEntropyOptions):
     """Cross-entropy with the output head applied a chunk of tokens at a time: the (tokens x vocab) logits are
-    never held at once; loss and gradients equal CrossEntropyLoss's.
+    never held at once; loss and gradients equal CrossEntropyLoss's. (Its fields: forge.train.loss_options.)
 
     Needs a model whose forward takes `head=False` and whose head is `model.output` without a bias (forge's
     Transformer and the VLMs, also under FSDP: the root module, which holds the head, keeps its parameters
     gathered from forward to backward).
     """
-
-    chunk_size: int = 1024
-    """Tokens (over batch x sequence) per chunk of the head and loss."""
-    z_loss_weight: float = 0.0
-    """Weight of PaLM's z-loss, mean(logsumexp(logits)^2) over labelled tokens (1e-4 in PaLM; 0 = off)."""
-
-    def __post_init__(self) -> None:
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size={self.chunk_size} must be positive")
 
     def __call__(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, attn_mask: torch.Tensor | None = None

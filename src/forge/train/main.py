@@ -15,7 +15,7 @@ from forge.config.errors import composition_message
 from forge.config.help import field_help
 from forge.data.sources import DataError
 from forge.quick_exit import command
-from forge.train.plan_report import take_plan_flag
+from forge.train.plan_flags import has_plan_flags
 
 log = logging.getLogger("forge")
 
@@ -133,7 +133,10 @@ def remove_empty_run_dir() -> None:
 
 def main() -> None:
     global PLAN_ONLY, CALIBRATE
-    PLAN_ONLY = take_plan_flag(sys.argv)
+    if has_plan_flags(sys.argv):
+        from forge.train.plan_report import take_plan_flag
+
+        PLAN_ONLY = take_plan_flag(sys.argv)
     CALIBRATE = "--calibrate" in sys.argv
     sys.argv[:] = [a for a in sys.argv if a != "--calibrate"]
     if CALIBRATE and PLAN_ONLY:

@@ -68,6 +68,7 @@ from forge.config.degrees import Degrees, resolve_degrees
 from forge.metrics.flops import attention_flops
 from forge.model.args import TransformerArgs
 from forge.parallel.applied import Applied
+from forge.train.plan_flags import PLAN_OPTIONS
 
 GIB = 2**30
 
@@ -501,7 +502,7 @@ def take_plan_flag(argv: list[str]) -> bool:
     a `search.` override) selects the `search` config group and `--search-top K` sets search.top, both appended
     after the other overrides (Hydra reads its flags first); without `--plan` each is refused."""
     global MATERIALIZE
-    for flag in ("--materialize", "--search", "--search-top"):
+    for flag in PLAN_OPTIONS:
         if flag in argv and "--plan" not in argv:
             print(f"forge-train: {flag} works only with --plan", file=sys.stderr)
             sys.exit(2)
