@@ -1,5 +1,6 @@
 """`forge-train`: compose the config with Hydra, validate it, train."""
 
+import contextlib
 import logging
 import os
 import sys
@@ -110,25 +111,26 @@ def _task(cfg: DictConfig) -> None:
 
 
 def remove_empty_run_dir() -> None:
-    """After a config error: the run directory Hydra made holds only its own files, so nothing to keep."""
+    """After a config error: the run directory Hydra made holds only its own files, so nothing to keep. Every rank
+    of a launch refuses the same config at about the same time, in the same directory: a file or folder another
+    rank has removed already, or refilled, is left to it."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if not run_dir.is_dir():
-        return
-    entries = {p.name for p in run_dir.iterdir()}
-    hydra_files = {p.name for p in (run_dir / ".hydra").iterdir()} if (run_dir / ".hydra").is_dir() else set()
-    log_file = run_dir / "forge.log"
-    if (
-        entries <= {".hydra", "forge.log"}
-        and hydra_files <= {"config.yaml", "hydra.yaml", "overrides.yaml"}
-        and (not log_file.exists() or log_file.stat().st_size == 0)
-    ):
-        for name in hydra_files:
-            (run_dir / ".hydra" / name).unlink()
-        if (run_dir / ".hydra").is_dir():
-            (run_dir / ".hydra").rmdir()
-        log_file.unlink(missing_ok=True)
-        if not any(run_dir.iterdir()) and run_dir.resolve() != Path.cwd().resolve():
-            run_dir.rmdir()
+    with contextlib.suppress(OSError):  # FileNotFoundError, or a folder another rank has written into
+        entries = {p.name for p in run_dir.iterdir()}
+        hydra_files = {p.name for p in (run_dir / ".hydra").iterdir()} if (run_dir / ".hydra").is_dir() else set()
+        log_file = run_dir / "forge.log"
+        if (
+            entries <= {".hydra", "forge.log"}
+            and hydra_files <= {"config.yaml", "hydra.yaml", "overrides.yaml"}
+            and (not log_file.exists() or log_file.stat().st_size == 0)
+        ):
+            for name in hydra_files:
+                (run_dir / ".hydra" / name).unlink(missing_ok=True)
+            if (run_dir / ".hydra").is_dir():
+                (run_dir / ".hydra").rmdir()
+            log_file.unlink(missing_ok=True)
+            if not any(run_dir.iterdir()) and run_dir.resolve() != Path.cwd().resolve():
+                run_dir.rmdir()
 
 
 def main() -> None:
