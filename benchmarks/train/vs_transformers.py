@@ -3,9 +3,11 @@
     .venv/bin/python benchmarks/train/vs_transformers.py [--shape 256:4:256:8 --shape 1024:4:512:4 --dtype auto
         --steps 3 --no-compile --profile 15]
 
-A shape is dim:layers:seq:batch (heads = dim / 64, vocab 8192, SwiGLU hidden 4 x dim). For each shape, seven
+A shape is dim:layers:seq:batch (heads = dim / 64, vocab 8192, SwiGLU hidden 4 x dim). For each shape, the
 contenders take AdamW steps on the same random tokens, in turns, so the machine's noise hits all alike:
-- forge eager: the trainer's step (autocast in the resolved dtype, fp32 cross-entropy, fused AdamW, the default);
+- forge eager: the trainer's one-process step (autocast in the resolved dtype, fp32 cross-entropy, fused AdamW;
+  under bf16, one bf16 copy of the fp32 weights per step, forge.train.compute_weights);
+- under bf16, forge eager with fp32 weights under autocast (`parallel.param_dtype=fp32`): what the copies save;
 - forge eager, torch's AdamW choice (`optimizer.fused=false`): what the fused kernel saves;
 - forge compiled: the per-block torch.compile, with the loss eager;
 - forge compiled, compiled loss: what `parallel.compile=true` trains with (blocks and cross-entropy compiled);
@@ -37,6 +39,7 @@ from benchmarks.train.mfu import parse_shape, peak_flops, shape_args  # noqa: E4
 from forge.metrics.flops import count_flops_per_token  # noqa: E402
 from forge.model import TransformerArgs, build_transformer  # noqa: E402
 from forge.parallel.plan import apply_compile  # noqa: E402
+from forge.train.compute_weights import ComputeWeights, scope  # noqa: E402
 from forge.train.losses import compiled_cross_entropy  # noqa: E402
 from forge.train.precision import autocast, resolve_dtype  # noqa: E402
 
@@ -54,24 +57,29 @@ def step_fn(
     tokens: torch.Tensor,
     dtype: str,
     loss_of: Callable = eager_cross_entropy,
+    weights: ComputeWeights | None = None,
 ) -> Callable:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
 
     def step() -> None:
-        with autocast(torch.device("cpu"), dtype):
-            logits = logits_of(model, tokens[:, :-1])
-        loss = loss_of(logits, tokens[:, 1:])
-        loss.backward()
+        with scope(weights):
+            with autocast(torch.device("cpu"), dtype):
+                logits = logits_of(model, tokens[:, :-1])
+            loss = loss_of(logits, tokens[:, 1:])
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
 
 
-def build_compiled(args: TransformerArgs) -> torch.nn.Module:
+def forge_step(args: TransformerArgs, tokens: torch.Tensor, dtype: str, **options) -> Callable:
+    """forge's one-process step: `compile` per block, `copies` (under bf16) on one bf16 copy of the weights."""
     model = build_transformer(args)
-    apply_compile(model)
-    return model
+    weights = ComputeWeights(model) if dtype == "bf16" and options.pop("copies", True) else None
+    if options.pop("compile", False):
+        apply_compile(model)
+    return step_fn(model, lambda m, x: m(x), options.pop("fused", True), tokens, dtype, weights=weights, **options)
 
 
 def contenders(dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str, compile_: bool) -> dict:
@@ -85,18 +93,16 @@ def contenders(dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str
         max_position_embeddings=seq,
         attn_implementation="sdpa",
     )
-    ours = lambda m, x: m(x)  # noqa: E731
     theirs = lambda m, x: m(x).logits  # noqa: E731
-    runs = {
-        "forge eager": step_fn(build_transformer(args), ours, True, tokens, dtype),
-        "forge eager, torch's AdamW choice": step_fn(build_transformer(args), ours, False, tokens, dtype),
-        "transformers eager": step_fn(LlamaForCausalLM(hf_config), theirs, True, tokens, dtype),
-    }
+    runs = {"forge eager": forge_step(args, tokens, dtype)}
+    if dtype == "bf16":
+        runs["forge eager, fp32 weights under autocast"] = forge_step(args, tokens, dtype, copies=False)
+    runs["forge eager, torch's AdamW choice"] = forge_step(args, tokens, dtype, fused=False)
+    runs["transformers eager"] = step_fn(LlamaForCausalLM(hf_config), theirs, True, tokens, dtype)
     if compile_:
-        compiled = build_compiled(args)
-        runs["forge compiled"] = step_fn(compiled, ours, True, tokens, dtype)
+        runs["forge compiled"] = forge_step(args, tokens, dtype, compile=True)
         loss = compiled_cross_entropy()
-        runs["forge compiled, compiled loss"] = step_fn(build_compiled(args), ours, True, tokens, dtype, loss)
+        runs["forge compiled, compiled loss"] = forge_step(args, tokens, dtype, compile=True, loss_of=loss)
         hf_compiled = torch.compile(LlamaForCausalLM(hf_config))
         runs["transformers compiled"] = step_fn(hf_compiled, theirs, True, tokens, dtype)
         hf_compiled = torch.compile(LlamaForCausalLM(hf_config))

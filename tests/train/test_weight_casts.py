@@ -1,6 +1,7 @@
-"""Under bf16 with gradient accumulation, each fp32 weight is cast to bf16 once per optimizer step instead of once per
-micro-batch, and training follows the same curve bit for bit: the later forwards reuse the very cast the first one
-made, and every backward still sums the weight's gradient in fp32.
+"""Under bf16 autocast of fp32 weights (parallel.param_dtype=fp32) with gradient accumulation, each fp32 weight is
+cast to bf16 once per optimizer step instead of once per micro-batch, and training follows the same curve bit for
+bit: the later forwards reuse the very cast the first one made, and every backward still sums the weight's gradient
+in fp32.
 
 The casts are counted below autocast (a TorchDispatchMode sees each aten._to_copy of a parameter), in the real
 Trainer on the embedded corpus. bf16 matmuls run on any CPU (emulated without AVX512-BF16), so this runs everywhere.
@@ -30,6 +31,7 @@ BF16_ACCUMULATION = [
     *TINY_MODEL, "train.dtype=bf16", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
     f"train.steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.threads=1",
     "scheduler.warmup_steps=1", "metrics.console=quiet",
+    "parallel.param_dtype=fp32",  # fp32 weights under autocast (bf16 ones are forge.train.compute_weights')
 ]  # fmt: skip
 
 

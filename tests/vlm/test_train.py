@@ -105,11 +105,12 @@ def train_recording_gathers(run_dir: str, *overrides: str) -> dict:
 @pytest.mark.slow
 def test_two_rank_bf16_fsdp_gathers_bf16_and_follows_one_process(tmp_path):
     """FSDP of a VLM follows train.dtype as the text plan does: bf16 gathers (half the bytes of fp32), fp32
-    master weights; the losses follow one bf16-autocast process within bf16's rounding."""
+    master weights; one process computes on a bf16 copy of its fp32 weights (forge.train.compute_weights), and
+    the losses of the two follow each other within bf16's rounding."""
     run = ["vlm=joint_decoder", "train.steps=3", "train.dtype=bf16", "train.micro_batch_size=4"]
     one = train_recording_gathers(str(tmp_path / "one"), *run)
     two = launch(train_recording_gathers, 2, str(tmp_path / "two"), *run, "parallel=fsdp")[0]
-    assert one["gathered"] == ["torch.float32"] and two["gathered"] == ["torch.bfloat16"]
+    assert one["gathered"] == ["torch.bfloat16"] and two["gathered"] == ["torch.bfloat16"]
     assert two["cast_inputs"] is False  # the root leaves the pixels to the (frozen, unsharded) tower
     assert sorted(two["losses"]) == [1, 2, 3]
     for step, loss in one["losses"].items():

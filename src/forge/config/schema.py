@@ -38,7 +38,8 @@ class ActivationCheckpoint(StrEnum):
 
 
 class MixedPrecisionDtype(StrEnum):
-    """The dtypes FSDP's mixed precision takes (ParallelConfig.param_dtype and reduce_dtype)."""
+    """The dtypes of mixed precision's parameters and gradient reductions (ParallelConfig.param_dtype and
+    reduce_dtype)."""
 
     bf16 = "bf16"
     fp32 = "fp32"
@@ -75,8 +76,11 @@ class ParallelConfig:
     world_size: Optional[int] = None
     """Expected number of processes; None reads it from torchrun's or SLURM's environment."""
     param_dtype: Optional[MixedPrecisionDtype] = None
-    """FSDP mixed precision: dtype of the all-gathered (unsharded) parameters, bf16 or fp32; null follows the
-    compute dtype (train.dtype). The sharded master weights and the optimizer state stay fp32."""
+    """dtype of the parameters the forwards and backwards compute with, bf16 or fp32; null follows the compute
+    dtype (train.dtype). Under FSDP (DDP and HSDP too: FSDP2 on a replicate mesh), that of the all-gathered
+    parameters; on one process, one bf16 copy of the weights per optimizer step (forge.train.compute_weights).
+    fp32, and tensor- or pipeline-parallel layouts without FSDP, keep the weights fp32 (autocast casts them). The
+    master weights, their gradients and the optimizer state stay fp32."""
     reduce_dtype: MixedPrecisionDtype = MixedPrecisionDtype.fp32
     """FSDP mixed precision: dtype in which gradients are reduce-scattered / all-reduced (fp32 or bf16)."""
     defer_grad_sync: Optional[bool] = None

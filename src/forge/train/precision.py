@@ -39,6 +39,8 @@ def autocast(device: torch.device, dtype: str):
 def holds_weight_casts(dtype: str, micro_batches: int, sharded: bool, checkpointed: bool) -> bool:
     """Whether one optimizer step casts each fp32 weight to bf16 once (`held_weight_casts`) rather than once per
     micro-batch: under bf16 with two or more micro-batches, when holding the casts adds nothing to the peak memory.
+    (Where the weights are fp32 under autocast: parallel.param_dtype=fp32, or TP without FSDP. On one process the
+    default computes on bf16 copies of the weights instead, forge.train.compute_weights, and casts nothing.)
     That holds when the weights are whole on the rank (not FSDP-sharded, where each block's gathered weights are
     freed after use) and the blocks are not checkpointed (their casts are then freed after the forward and made
     again in the recompute): the casts are kept for backward anyway, and each micro-batch's forward ends with all

@@ -27,6 +27,7 @@ from forge.resilience.hard_exit import on_hard_exit
 from forge.resilience.health import check_device
 from forge.resilience.preemption import EXIT_INTERRUPTED, PreemptionHandler
 from forge.train import build
+from forge.train.compute_weights import ComputeWeights, compute_weights
 from forge.train.freeze import Unfrozen
 from forge.train.host_malloc import set_mmap_threshold
 from forge.train.losses import cross_entropy
@@ -102,10 +103,9 @@ class Trainer:
         self.holds_weight_casts = self.degrees.pp == 1 and holds_weight_casts(
             self.dtype, self.grad_accum, self.degrees.fsdp_shard > 1, cfg.parallel.activation_checkpoint != "none"
         )
-        if self.holds_weight_casts:
-            log.info("bf16 casts of the weights: once per step, for its %d micro-batches", self.grad_accum)
 
         self.build_model_and_data()
+        self.settle_weight_casts()
         self.float8_all_gather = float8_all_gather_enabled(self.model)
         self.optimizer, self.scheduler = build.build_optimizer(cfg, self.model)
         set_optimizer_mode(self.optimizer, "train")  # schedule-free: DCP's state init takes a (zero-lr) step
@@ -157,8 +157,25 @@ class Trainer:
                 train_loss=self.batch_loss,
                 context=context,
                 hold_weight_casts=self.holds_weight_casts,
+                compute_weights=self.build_compute_weights(),
             )
         self.model = self.step.model
+
+    def build_compute_weights(self) -> ComputeWeights | None:
+        """The bf16 copy of the weights the steps compute with, on a model whose parameters are plain tensors
+        (FSDP gathers its own in parallel.param_dtype); None in fp32 or under float8."""
+        cfg = self.cfg
+        if cfg.parallel.fp8:
+            return None
+        return compute_weights(self.model, cfg.parallel.get("param_dtype"), self.dtype)
+
+    def settle_weight_casts(self) -> None:
+        """A step on compute weights casts nothing more: it holds no autocast casts. Logs which applies."""
+        if getattr(self.step, "compute_weights", None) is not None:
+            self.holds_weight_casts = False
+            log.info("weights: fp32 master, one bf16 copy per step for its forwards and backwards")
+        elif self.holds_weight_casts:
+            log.info("bf16 casts of the weights: once per step, for its %d micro-batches", self.grad_accum)
 
     def build_pipeline(self) -> Pipeline:
         """This rank's pipeline stages, parallelized and initialised as the whole model would be in one process."""

@@ -57,4 +57,5 @@ class VLMTrainer(Trainer):
             self.defer_grad_sync,
             self.batch_loss,
             hold_weight_casts=self.holds_weight_casts,
+            compute_weights=self.build_compute_weights(),
         )

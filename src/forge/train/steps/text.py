@@ -14,6 +14,7 @@ from forge.model.moe import has_router_losses, router_losses
 from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.grads import clip_grad_norm, scale_grads, set_gradient_sync
 from forge.parallel.mesh import start_sum_over_token_ranks, token_ranks
+from forge.train.compute_weights import ComputeWeights, scope
 from forge.train.losses import IGNORE_INDEX, CrossEntropyLoss, Loss, loss_context
 from forge.train.precision import autocast, held_weight_casts
 
@@ -30,7 +31,9 @@ class TextStep:
     at every micro-batch, so that no unsharded gradient is held between them). With `context` (context
     parallelism) each micro-batch's forward, loss and token count cover this rank's part of every sequence.
     `hold_weight_casts` casts each fp32 weight to bf16 once per step, not per micro-batch (see
-    forge.train.precision.holds_weight_casts for when the trainer asks for it).
+    forge.train.precision.holds_weight_casts for when the trainer asks for it). `compute_weights` (a model with
+    plain parameters computing in bf16, forge.train.compute_weights) puts one bf16 copy of the weights in the
+    parameters for each step's micro-batches and each evaluation.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class TextStep:
         train_loss: Callable[[Batch], torch.Tensor] | None = None,
         context: ContextSplit | None = None,
         hold_weight_casts: bool = False,
+        compute_weights: ComputeWeights | None = None,
     ):
         self.model = model
         self.device = device
@@ -52,7 +56,8 @@ class TextStep:
         self.defer_grad_sync = defer_grad_sync
         self.train_loss = train_loss
         self.context = context
-        self.hold_weight_casts = hold_weight_casts
+        self.hold_weight_casts = hold_weight_casts and compute_weights is None
+        self.compute_weights = compute_weights
         # tensor parallelism leaves the logits split over the vocabulary: each loss runs under loss_parallel
         self.logits_split = mesh is not None and "tp" in (mesh.mesh_dim_names or ())
         # without router losses the step's token count can wait for the non-finite flags' all-reduce: the backward
@@ -88,7 +93,7 @@ class TextStep:
         if not self.count_folded:
             total, pending = start_sum_over_token_ranks(counts.sum(), self.mesh)
         loss_sum = torch.zeros((), device=self.device)
-        with held_weight_casts(self.device, self.hold_weight_casts):
+        with self.weights_scope():
             for micro, batch in enumerate(batches):
                 if self.defer_grad_sync:
                     set_gradient_sync(self.model, micro == len(batches) - 1)
@@ -103,6 +108,12 @@ class TextStep:
                     (loss * weight + router_losses(self.model) / len(batches)).backward()
                 loss_sum += loss.detach() * counts[micro]
         return loss_sum, counts.sum()
+
+    def weights_scope(self):
+        """The scope of one step's micro-batches: the bf16 compute weights, or autocast's held casts, or none."""
+        if self.compute_weights is not None:
+            return self.compute_weights
+        return held_weight_casts(self.device, self.hold_weight_casts)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.model, max_norm)
@@ -125,11 +136,12 @@ class TextStep:
         was_training = self.model.training
         self.model.eval()
         total, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-        for batch in batches:
-            count = self.labelled_tokens(batch).to(self.device)
-            with loss_context(self.logits_split):
-                total += self.batch_loss(batch, EVAL_LOSS) * count
-            tokens += count
+        with scope(self.compute_weights):
+            for batch in batches:
+                count = self.labelled_tokens(batch).to(self.device)
+                with loss_context(self.logits_split):
+                    total += self.batch_loss(batch, EVAL_LOSS) * count
+                tokens += count
         self.model.train(was_training)
         return total, tokens
 

@@ -1,0 +1,87 @@
+"""bf16 compute weights for a model held whole on its rank: the fp32 weights stay the master copy, and the forwards
+and backwards of one optimizer step run on one bf16 copy of them, as FSDP's mixed precision gathers sharded
+weights (`parallel.param_dtype`)."""
+
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from forge.parallel.plan import DTYPES
+
+
+class ComputeWeights:
+    """A scope (`with weights:`) in which the model's parameters hold `dtype` copies of their fp32 values.
+
+    On entry each parameter's fp32 tensor is set aside and the parameter takes a copy in `dtype`: one cast per
+    parameter per scope, where autocast casts each weight in every forward and casts its gradient back in every
+    backward. Inside, each backward's gradient of a parameter is added to an fp32 gradient as soon as autograd has
+    accumulated it, and then freed (a post-accumulate-grad hook): micro-batches sum in fp32, and no whole-model
+    low-precision gradient is held. On exit the parameters hold their fp32 tensors again, with the fp32 gradients,
+    for the clipping, the optimizer and the checkpoints, which never see the copies. The copies are freed on exit:
+    between steps the model costs what it cost before. Within one, the copies are alive while the backward needs
+    them, as autocast's casts would be, plus those of the weights autocast does not cast (the embedding, the norms:
+    2 bytes per parameter) and, for a moment, one parameter's low-precision gradient beside its fp32 sum.
+
+    Only for plain parameters (no FSDP, no DTensor): FSDP gathers its shards in parallel.param_dtype itself.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+        self.dtype = dtype
+        self.params = [p for p in model.parameters() if p.is_floating_point() and p.dtype != dtype]
+        self.masters: list[torch.Tensor | None] = [None] * len(self.params)
+        self.grads: dict[nn.Parameter, torch.Tensor] = {}
+        self.hooked: set[nn.Parameter] = set()
+        self.active = False
+
+    def __enter__(self) -> "ComputeWeights":
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.requires_grad and p not in self.hooked:  # a freeze schedule may thaw a parameter later
+                    p.register_post_accumulate_grad_hook(self._take_grad)
+                    self.hooked.add(p)
+                if p.grad is not None:  # a gradient left from outside the scope keeps adding up in fp32
+                    self.grads[p] = p.grad
+                    p.grad = None
+                self.masters[i] = p.data
+                p.data = p.data.to(self.dtype)
+        self.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        for i, p in enumerate(self.params):
+            p.data, self.masters[i] = self.masters[i], None
+            p.grad = self.grads.pop(p, None)
+
+    def _take_grad(self, p: nn.Parameter) -> None:
+        if not self.active:  # a backward outside the scope: the gradient is already the parameter's dtype
+            return
+        grad, p.grad = p.grad, None
+        if p in self.grads:
+            self.grads[p].add_(grad)
+        else:
+            self.grads[p] = grad.float()
+
+
+def has_plain_parameters(model: nn.Module) -> bool:
+    """Whether the model's parameters are whole, plain tensors on this rank: no FSDP, no DTensor (TP)."""
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return False
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def compute_weights(model: nn.Module, param_dtype: str, compute_dtype: str) -> ComputeWeights | None:
+    """The bf16 compute weights of a model with plain parameters when the parameters compute in bf16
+    (parallel.param_dtype, null: the compute dtype); None otherwise (fp32, or FSDP / TP parameters)."""
+    dtype = param_dtype or compute_dtype
+    if dtype == "fp32" or not has_plain_parameters(model):
+        return None
+    return ComputeWeights(model, DTYPES[dtype])
+
+
+def scope(weights: ComputeWeights | None):
+    """`weights` as a scope, or no scope without them."""
+    return weights if weights is not None else nullcontext()
