@@ -24,6 +24,9 @@ SCRIPT = textwrap.dedent(
         (out / "thread").write_text("done")
 
     threading.Thread(target=late).start()
+    from concurrent.futures import ThreadPoolExecutor
+    POOL = ThreadPoolExecutor(2)  # never shut down, as torch.compile leaves its pool: its idle workers wait for work
+    POOL.submit(time.sleep, 0.01).result()
     atexit.register(lambda: (out / "atexit").write_text("ran"))
     logging.basicConfig(filename=out / "log", level=logging.INFO)
     logging.info("the last line")
@@ -46,7 +49,10 @@ SCRIPT = textwrap.dedent(
 
 
 def run(tmp_path, mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), mode], capture_output=True, text=True)
+    # a process that waits for ever (an idle pool's workers joined before the pool is told to stop) fails here
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), mode], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_quick_exit_keeps_what_a_normal_exit_writes_and_skips_the_teardown(tmp_path):
