@@ -83,6 +83,10 @@ def test_a_gradient_from_before_the_scope_keeps_adding_up_and_a_thawed_parameter
         if name in first:  # grew by this step's gradient, in fp32
             assert p.grad.dtype == torch.float32 and not torch.equal(p.grad, first[name]), name
 
+    with weights, pytest.raises(RuntimeError, match="do not nest"), weights:
+        pass  # a nested scope would take the copies for the masters
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
     model.zero_grad(set_to_none=True)
     loss_of(model, inside).backward()  # outside any scope: plain fp32 autocast training, gradients left in place
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())

@@ -37,6 +37,8 @@ class ComputeWeights:
         self.active = False
 
     def __enter__(self) -> "ComputeWeights":
+        if self.active:  # a nested entry would set the copies aside as masters
+            raise RuntimeError("ComputeWeights scopes do not nest")
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 if p.requires_grad and p not in self.hooked:  # a freeze schedule may thaw a parameter later
