@@ -186,11 +186,17 @@ def mesh_dims(mesh: DeviceMesh) -> dict[str, int]:
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def param_dtype(parallel_cfg, compute_dtype: str) -> str:
+    """The dtype the parameters compute in: parallel.param_dtype, or (null) the compute dtype. FSDP gathers in it,
+    and one process computes on a copy in it (forge.train.compute_weights)."""
+    return parallel_cfg.get("param_dtype") or compute_dtype
+
+
 def mixed_precision_policy(parallel_cfg, compute_dtype: str) -> MixedPrecisionPolicy:
-    """FSDP2's policy: parameters gathered in parallel.param_dtype (default: the compute dtype), gradients reduced
-    in parallel.reduce_dtype. Under bf16 this halves the all-gather bytes and the unsharded parameter memory of an
-    fp32 gather; the sharded fp32 parameters stay the optimizer's master weights."""
-    param = parallel_cfg.get("param_dtype") or compute_dtype
+    """FSDP2's policy: parameters gathered in `param_dtype`, gradients reduced in parallel.reduce_dtype. Under
+    bf16 this halves the all-gather bytes and the unsharded parameter memory of an fp32 gather; the sharded fp32
+    parameters stay the optimizer's master weights."""
+    param = param_dtype(parallel_cfg, compute_dtype)
     reduce = parallel_cfg.get("reduce_dtype") or "fp32"
     return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
 

@@ -75,10 +75,9 @@ def has_plain_parameters(model: nn.Module) -> bool:
     return not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def compute_weights(model: nn.Module, param_dtype: str, compute_dtype: str) -> ComputeWeights | None:
-    """The bf16 compute weights of a model with plain parameters when the parameters compute in bf16
-    (parallel.param_dtype, null: the compute dtype); None otherwise (fp32, or FSDP / TP parameters)."""
-    dtype = param_dtype or compute_dtype
+def compute_weights(model: nn.Module, dtype: str) -> ComputeWeights | None:
+    """The compute weights of a model with plain parameters whose parameters compute in `dtype` (bf16; see
+    forge.parallel.plan.param_dtype); None otherwise (fp32, or FSDP / TP parameters)."""
     if dtype == "fp32" or not has_plain_parameters(model):
         return None
     return ComputeWeights(model, DTYPES[dtype])

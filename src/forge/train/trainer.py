@@ -20,7 +20,7 @@ from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.expert import sum_over_ranks
 from forge.parallel.mesh import build_mesh, dp_rank_and_size
 from forge.parallel.pipeline import Pipeline, build_pipeline
-from forge.parallel.plan import float8_all_gather_enabled, parallelize
+from forge.parallel.plan import float8_all_gather_enabled, parallelize, param_dtype
 from forge.resilience import EXIT_PREEMPTED
 from forge.resilience.guard import RollbackRequested, StepGuard
 from forge.resilience.hard_exit import on_hard_exit
@@ -105,7 +105,7 @@ class Trainer:
         )
 
         self.build_model_and_data()
-        self.settle_weight_casts()
+        self.log_weight_casts()
         self.float8_all_gather = float8_all_gather_enabled(self.model)
         self.optimizer, self.scheduler = build.build_optimizer(cfg, self.model)
         set_optimizer_mode(self.optimizer, "train")  # schedule-free: DCP's state init takes a (zero-lr) step
@@ -167,14 +167,13 @@ class Trainer:
         cfg = self.cfg
         if cfg.parallel.fp8:
             return None
-        return compute_weights(self.model, cfg.parallel.get("param_dtype"), self.dtype)
+        return compute_weights(self.model, param_dtype(cfg.parallel, self.dtype))
 
-    def settle_weight_casts(self) -> None:
-        """A step on compute weights casts nothing more: it holds no autocast casts. Logs which applies."""
+    def log_weight_casts(self) -> None:
+        """Say how the step meets bf16: one copy of the weights, or autocast's casts held over its micro-batches."""
         if getattr(self.step, "compute_weights", None) is not None:
-            self.holds_weight_casts = False
             log.info("weights: fp32 master, one bf16 copy per step for its forwards and backwards")
-        elif self.holds_weight_casts:
+        elif getattr(self.step, "hold_weight_casts", False):
             log.info("bf16 casts of the weights: once per step, for its %d micro-batches", self.grad_accum)
 
     def build_pipeline(self) -> Pipeline:
