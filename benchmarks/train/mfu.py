@@ -4,9 +4,9 @@
                                               --steps 4 --device cpu]
 
 A shape is dim:layers:seq:batch (heads = dim / 64, vocab 8192, SwiGLU hidden 4 x dim). For each shape the step is
-AdamW on random tokens, as in the trainer's one-process step (autocast in the resolved dtype, fp32 cross-entropy,
-under bf16 one bf16 copy of the weights per step: forge.train.compute_weights). FLOPs per token
-come from forge.metrics.flops, the count the trainer's MFU uses (matmuls only, full seq x seq attention).
+AdamW on random tokens, as in the trainer's one-process step (autocast in the resolved dtype, forge's row-wise fp32
+cross-entropy, fused AdamW, under bf16 one bf16 copy of the weights per step: forge.train.compute_weights). FLOPs
+per token come from forge.metrics.flops, the count the trainer's MFU uses (matmuls only, full seq x seq attention).
 
 The peak is the best of square matmuls of 1024, 2048 and 4096 and of the model's own widest matmul, measured in
 bursts before and between the timed steps and taking the quietest burst: the machine's rate when nothing else
@@ -19,13 +19,13 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from forge.metrics.flops import count_flops_per_token
 from forge.metrics.peak import measure_matmul_flops
 from forge.model import TransformerArgs, build_transformer
 from forge.parallel.plan import apply_compile
 from forge.train.compute_weights import ComputeWeights, scope
+from forge.train.losses import cross_entropy
 from forge.train.precision import autocast, resolve_dtype
 
 
@@ -89,14 +89,14 @@ def main() -> None:
         weights = ComputeWeights(model) if dtype == "bf16" else None
         if opts.compile:
             apply_compile(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         tokens = torch.randint(0, opts.vocab, (batch, seq + 1), device=device)
 
         def step() -> None:
             with scope(weights):  # noqa: B023 - called inside this iteration only
                 with autocast(device, dtype):
                     logits = model(tokens[:, :-1])  # noqa: B023
-                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())  # noqa: B023
+                loss = cross_entropy(logits, tokens[:, 1:])  # noqa: B023
                 loss.backward()
             optimizer.step()  # noqa: B023
             optimizer.zero_grad(set_to_none=True)  # noqa: B023

@@ -5,15 +5,17 @@
 
 A shape is dim:layers:seq:batch (heads = dim / 64, vocab 8192, SwiGLU hidden 4 x dim). For each shape, the
 contenders take AdamW steps on the same random tokens, in turns, so the machine's noise hits all alike:
-- forge eager: the trainer's one-process step (autocast in the resolved dtype, fp32 cross-entropy, fused AdamW;
-  under bf16, one bf16 copy of the fp32 weights per step, forge.train.compute_weights);
+- forge eager: the trainer's one-process step (autocast in the resolved dtype, forge's row-wise fp32
+  cross-entropy, fused AdamW; under bf16, one bf16 copy of the fp32 weights per step, forge.train.compute_weights);
 - under bf16, forge eager with fp32 weights under autocast (`parallel.param_dtype=fp32`): what the copies save;
 - forge eager, torch's AdamW choice (`optimizer.fused=false`): what the fused kernel saves;
-- forge compiled: the per-block torch.compile, with the loss eager;
+- forge eager, torch's cross-entropy (F.cross_entropy of the fp32 logits, as transformers'): what the row-wise
+  loss saves;
+- forge compiled: the per-block torch.compile, with the loss eager (row-wise);
 - forge compiled, compiled loss: what `parallel.compile=true` trains with (blocks and cross-entropy compiled);
-- transformers eager and transformers compiled (`torch.compile` of the whole HF model), with the same fused AdamW,
-  so the comparison is of the models' forward and backward; and transformers compiled with the same compiled
-  cross-entropy as forge's.
+- transformers eager and transformers compiled (`torch.compile` of the whole HF model), with the same fused AdamW
+  and torch's cross-entropy of the fp32 logits (what transformers' own loss computes); and transformers compiled
+  with the same compiled cross-entropy as forge's.
 Each row gives tokens/s, the ratio to transformers eager and to transformers compiled, and the MFU against the
 matmul peak measured in the same run (the best of square products and the model's widest product, in bursts
 between the steps: the rate when nothing else runs). FLOPs per token are forge.metrics.flops', as the trainer's
@@ -40,13 +42,13 @@ from forge.metrics.flops import count_flops_per_token  # noqa: E402
 from forge.model import TransformerArgs, build_transformer  # noqa: E402
 from forge.parallel.plan import apply_compile  # noqa: E402
 from forge.train.compute_weights import ComputeWeights, scope  # noqa: E402
-from forge.train.losses import compiled_cross_entropy  # noqa: E402
+from forge.train.losses import compiled_cross_entropy, cross_entropy  # noqa: E402
 from forge.train.precision import autocast, resolve_dtype  # noqa: E402
 
 VOCAB = 8192
 
 
-def eager_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def torch_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
@@ -56,7 +58,7 @@ def step_fn(
     fused: bool,
     tokens: torch.Tensor,
     dtype: str,
-    loss_of: Callable = eager_cross_entropy,
+    loss_of: Callable = torch_cross_entropy,
     weights: ComputeWeights | None = None,
 ) -> Callable:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
@@ -79,7 +81,9 @@ def forge_step(args: TransformerArgs, tokens: torch.Tensor, dtype: str, **option
     weights = ComputeWeights(model) if dtype == "bf16" and options.pop("copies", True) else None
     if options.pop("compile", False):
         apply_compile(model)
-    return step_fn(model, lambda m, x: m(x), options.pop("fused", True), tokens, dtype, weights=weights, **options)
+    loss_of = options.pop("loss_of", cross_entropy)
+    fused = options.pop("fused", True)
+    return step_fn(model, lambda m, x: m(x), fused, tokens, dtype, loss_of=loss_of, weights=weights, **options)
 
 
 def contenders(dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str, compile_: bool) -> dict:
@@ -98,6 +102,7 @@ def contenders(dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str
     if dtype == "bf16":
         runs["forge eager, fp32 weights under autocast"] = forge_step(args, tokens, dtype, copies=False)
     runs["forge eager, torch's AdamW choice"] = forge_step(args, tokens, dtype, fused=False)
+    runs["forge eager, torch's cross-entropy"] = forge_step(args, tokens, dtype, loss_of=torch_cross_entropy)
     runs["transformers eager"] = step_fn(LlamaForCausalLM(hf_config), theirs, True, tokens, dtype)
     if compile_:
         runs["forge compiled"] = forge_step(args, tokens, dtype, compile=True)

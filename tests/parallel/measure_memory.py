@@ -6,13 +6,13 @@ kernels or what else the machine runs, so it is the same on every machine."""
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from forge.config.degrees import Degrees
 from forge.metrics.memory import peak_live_tensor_bytes
 from forge.model import TransformerArgs
 from forge.model.transformer import build_transformer
+from forge.train.losses import cross_entropy
 from forge.train.plan_report import estimate_memory
 
 
@@ -25,8 +25,7 @@ def main() -> None:
         model = build_transformer(args)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
         for _ in range(2):
-            # as the trainer's step: the loss keeps the log-softmax, not the logits
-            F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()).backward()
+            cross_entropy(model(x), x).backward()  # the trainer's loss of plain logits
             opt.step()
             opt.zero_grad(set_to_none=True)
     n = sum(p.numel() for p in model.parameters())

@@ -74,8 +74,79 @@ def _loss_parallel() -> Iterator[None]:
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy in fp32 (labels of -100 are ignored). Vocabulary-split logits need
     `loss_context(True)` around the forward and the backward; the result is then a plain tensor too."""
+    if not isinstance(logits, DTensor):
+        return rowwise_cross_entropy(logits, labels)
     loss = _token_cross_entropy(logits, labels)
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+# fp32 working set of one chunk of rows: on a CPU small enough to stay in cache and in malloc's heap (a fresh
+# mapping costs a page fault per 4 KiB); elsewhere large enough that the loop costs few kernel launches
+CHUNK_BYTES = {"cpu": 4 << 20}
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+def rowwise_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:
+    """Mean over the labelled tokens of -log softmax(logits)[label] + z_loss_weight * logsumexp(logits)^2, in fp32,
+    for plain (not vocabulary-split) logits of any float dtype, a chunk of rows at a time.
+
+    Where eager F.cross_entropy of `logits.float()` writes an fp32 copy of the logits, their fp32 log-softmax, a
+    zero-filled gradient and its backward, each as large as the logits, this touches one chunk of rows in fp32 at
+    a time, and computes the logits' gradient in the forward, while the chunk is in cache (the backward only scales
+    it): one exp per logit (2048 x 8192 bf16 logits on a 2-core EPYC: 37 ms forward and backward, against 125).
+    The gradient takes the logits' place: the logits themselves are not saved."""
+    logits, labels = logits.flatten(0, -2), labels.flatten()
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _RowwiseCrossEntropy.apply(logits, labels, z_loss_weight)
+    return _rowwise_loss(logits, labels, z_loss_weight, None)
+
+
+def _rowwise_loss(
+    logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float, grad: torch.Tensor | None
+) -> torch.Tensor:
+    """The loss; when `grad` (shaped as the logits) is given, also fills in the loss's gradient."""
+    valid = labels != IGNORE_INDEX
+    scale = (valid / valid.sum().clamp(min=1))[:, None]  # each row's weight in the mean
+    targets = labels.clamp(min=0)[:, None]
+    lse = torch.empty_like(scale)
+    chunk_bytes = CHUNK_BYTES.get(logits.device.type, DEFAULT_CHUNK_BYTES)
+    rows = max(1, chunk_bytes // (4 * logits.shape[1]))
+    for start in range(0, logits.shape[0], rows):
+        end = start + rows
+        probs = logits[start:end].to(torch.float32, copy=True)
+        top = probs.amax(dim=1, keepdim=True)
+        total = probs.sub_(top).exp_().sum(dim=1, keepdim=True)
+        torch.add(top, total.log(), out=lse[start:end])
+        if grad is None:
+            continue
+        # d/dlogits of lse - logit[y] + w lse^2 = softmax (1 + 2 w lse) - onehot(y), each row times its weight
+        row = scale[start:end]
+        factor = row / total
+        if z_loss_weight:
+            factor = factor * (1 + 2 * z_loss_weight * lse[start:end])
+        probs.mul_(factor).scatter_add_(1, targets[start:end], -row)
+        grad[start:end].copy_(probs)
+    per_token = lse - logits.gather(1, targets).float()
+    if z_loss_weight:
+        per_token = per_token + z_loss_weight * lse.square()
+    return (per_token * scale).sum()
+
+
+class _RowwiseCrossEntropy(torch.autograd.Function):
+    """rowwise_cross_entropy whose gradient is computed in the forward pass. The backward scales that gradient in
+    place, so a second backward through the same graph (retain_graph) is refused by autograd's saved-tensor check."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, z_loss_weight):
+        grad = torch.empty_like(logits)
+        loss = _rowwise_loss(logits, labels, z_loss_weight, grad)
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(grad_loss), None, None
 
 
 def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -124,6 +195,8 @@ class CrossEntropyLoss(CrossEntropyOptions):
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         logits = model(inputs, attn_mask=attn_mask)
+        if not isinstance(logits, DTensor) and not self._compiled:
+            return rowwise_cross_entropy(logits, labels, self.z_loss_weight)
         if self._compiled and not isinstance(logits, DTensor):
             loss = compiled_cross_entropy()(logits, labels)
         else:

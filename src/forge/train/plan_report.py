@@ -23,10 +23,12 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
         full checkpointing:  T x L_r x d / tp + max(T_h x head + T_c x head_grads, T_c x block + (T_h - T_c) x head)
       where block = (7 d + 2 kv + 4 f) / tp (+ 2 d under tp: the all-gathered inputs of the attention and the MLP
       that their matmuls keep) times bytes, and on the last stage head = (2 d / tp (+ d under tp)) x bytes (final
-      norm input and output) + 4 V / tp (the loss's fp32 log-softmax, split over the vocabulary under tp; the loss
-      frees the logits, but a pipeline stage keeps its output: + V / tp x bytes) and head_grads = 4 g V / tp (the
-      backward's fp32 gradients of the log-softmax and the logits, g = 2, and under tp the vocabulary-parallel
-      loss's exponentials too, g = 3). L_r are the
+      norm input and output) + what the loss keeps for its backward (+ V / tp x bytes: a pipeline stage keeps its
+      output, the logits), and head_grads what lives only around one chunk's loss. Without tp the loss is forge's
+      row-wise cross-entropy (forge.train.losses): it keeps the logits' gradient, V x bytes, made in its forward
+      beside the logits (head_grads V x bytes), and frees the logits. Under tp, torch's vocabulary-parallel loss
+      keeps the fp32 log-softmax, 4 V / tp, and its backward adds the fp32 gradients of the log-softmax and the
+      logits and the exponentials, head_grads 12 V / tp. L_r are the
       rank's blocks, d the model width, kv the key/value width, f the MLP hidden width (in an MoE block the
       hidden width each token passes through: expert size x (top_k + shared experts), averaged over the
       blocks); a model.head_dim that sets the query width q apart from d counts 4 d + 3 q in place of 7 d;
@@ -208,13 +210,16 @@ def estimate_memory(
     head_tokens = tokens if head_share is None else micro_batch_size * seq_len * head_share / cp
     chunk_tokens = micro_batch_size * seq_len / cp / chunks
     gathered = 1 if tp > 1 else 0  # sequence parallel: each matmul keeps its all-gathered (whole) input
-    # bytes per token: the final norm's input and output, and the logits' log-softmax in fp32 (split over the
-    # vocabulary under tp; the loss frees the logits, a pipeline stage keeps them as its output); a chunk's backward
-    # adds the fp32 gradients of both, and under tp the vocabulary-parallel loss's exponentials
+    # bytes per token: the final norm's input and output, and what the loss keeps for its backward (a pipeline
+    # stage also keeps the logits, its output); a chunk's loss adds what lives only around it
     vocab = args.vocab_size / tp
     logits = vocab * act_bytes if degrees.pp > 1 else 0
-    head = ((2 * args.dim / tp + gathered * args.dim) * act_bytes + 4 * vocab + logits) if has_head else 0
-    head_grads = chunk_tokens * (3 if tp > 1 else 2) * 4 * vocab if has_head else 0
+    if tp > 1:  # torch's loss_parallel: the fp32 log-softmax; its backward's fp32 gradients and exponentials
+        loss_kept, loss_around = 4 * vocab, 3 * 4 * vocab
+    else:  # forge's row-wise cross-entropy: the logits' gradient, made in the forward beside the logits
+        loss_kept, loss_around = vocab * act_bytes, vocab * act_bytes
+    head = ((2 * args.dim / tp + gathered * args.dim) * act_bytes + loss_kept + logits) if has_head else 0
+    head_grads = chunk_tokens * loss_around if has_head else 0
     # context parallel: SDPA keeps the whole sequence's keys and values (cp x the rank's own)
     block = (block_activation_elems(args) + saved_kv_width(args) * (cp - 1)) / tp + gathered * 2 * args.dim
     # a dense mask: the boolean (seq / cp x seq) mask per sample lives through the forward, and each block's SDPA
