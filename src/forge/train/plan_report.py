@@ -10,7 +10,8 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
     + FSDP gather buffers in the compute dtype: 2 unsharded blocks (the one computing, the one prefetched) and the
       root unit's parameters (embedding, final norm, head), which FSDP keeps gathered from the forward to the end
       of the backward; so does DDP (dp_replicate > 1, dp_shard 1: FSDP2 over a shard group of one still copies the
-      parameters into its gather buffers)
+      parameters into its gather buffers). Without FSDP, under bf16: 2P, the bf16 weights the step computes with
+      (forge.train.compute_weights' copy in one process; autocast's casts, which the backward keeps, under tp or pp)
     + grads 4P + activations when the gradients exist at the start of a backward (gradient accumulation, or a
       1F1B pipeline); else the larger of the two (zero_grad sets them to None: they grow as the backward frees
       the activations)
@@ -32,10 +33,11 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
       rank's blocks, d the model width, kv the key/value width, f the MLP hidden width (in an MoE block the
       hidden width each token passes through: expert size x (top_k + shared experts), averaged over the
       blocks); a model.head_dim that sets the query width q apart from d counts 4 d + 3 q in place of 7 d;
-      bytes = 2 under bf16 autocast, 4 in fp32. Per block, autograd keeps: the two norms' inputs and outputs
-      (4 d), q, k, v and the attention output for SDPA (2 d + 2 kv), the re-laid-out attention output fed to wo
-      (d), and the SwiGLU's w1, w3, silu outputs and their product (4 f). Selective checkpointing is estimated as
-      none.
+      bytes = 2 under bf16 autocast, 4 in fp32. Under bf16 autocast a norm runs in fp32 and keeps an fp32 copy of
+      its input: + 2 x 2 d / tp bytes per block and 2 d / tp before the head. Per block, autograd keeps: the two
+      norms' inputs and outputs (4 d), q, k, v and the attention output for SDPA (2 d + 2 kv), the re-laid-out
+      attention output fed to wo (d), and the SwiGLU's w1, w3, silu outputs and their product (4 f). Selective
+      checkpointing is estimated as none.
     With context parallelism (cp > 1) T is the rank's seq_len / cp tokens, each block also keeps the other cp ranks'
     keys and values (+ 2 kv (cp - 1) per token). Under a dense mask (context parallelism, or document masking or
     a sliding window with SDPA) the boolean micro_batch_size x seq_len / cp x seq_len mask lives through the forward
@@ -218,7 +220,9 @@ def estimate_memory(
         loss_kept, loss_around = 4 * vocab, 3 * 4 * vocab
     else:  # forge's row-wise cross-entropy: the logits' gradient, made in the forward beside the logits
         loss_kept, loss_around = vocab * act_bytes, vocab * act_bytes
-    head = ((2 * args.dim / tp + gathered * args.dim) * act_bytes + loss_kept + logits) if has_head else 0
+    # under bf16 autocast a norm runs in fp32 and keeps an fp32 copy of its input: 2 per block, 1 before the head
+    norm_upcast = args.dim / tp * (4 - act_bytes)
+    head = ((2 * args.dim / tp + gathered * args.dim) * act_bytes + norm_upcast + loss_kept + logits) if has_head else 0
     head_grads = chunk_tokens * loss_around if has_head else 0
     # context parallel: SDPA keeps the whole sequence's keys and values (cp x the rank's own)
     block = (block_activation_elems(args) + saved_kv_width(args) * (cp - 1)) / tp + gathered * 2 * args.dim
@@ -228,16 +232,20 @@ def estimate_memory(
     rows = micro_batch_size * in_flight if dense_masks else 1
     sdpa = getattr(args, "attention", "sdpa") == "sdpa"  # flex's BlockMask is (seq / 128)^2 blocks: left out
     mask = rows * seq_len * seq_len / cp if sdpa and (dense_masks or cp > 1) else 0
-    full = tokens * rank_blocks * block * act_bytes + head_tokens * head + head_grads
+    block_bytes = block * act_bytes + 2 * norm_upcast
+    full = tokens * rank_blocks * block_bytes + head_tokens * head + head_grads
     full += mask * (1 + rank_blocks * act_bytes)
     # full checkpointing: each block's input, then the head's backward, or one chunk's recomputed block beside
     # the other chunks' logits
-    later = max(head_tokens * head + head_grads, chunk_tokens * block * act_bytes + (head_tokens - chunk_tokens) * head)
+    later = max(head_tokens * head + head_grads, chunk_tokens * block_bytes + (head_tokens - chunk_tokens) * head)
     ckpt = tokens * rank_blocks * args.dim / tp * act_bytes + later + mask * (1 + act_bytes)
     shard = degrees.fsdp_shard
-    # replicas too: FSDP2 over (dp_replicate, 1) copies the parameters into its gather buffers all the same
-    fsdp = shard > 1 or degrees.dp_replicate > 1
+    fsdp = fsdp_gathers(degrees)
     gather = (2 * block_gather_params(args, degrees) / tp + root_params) * act_bytes if fsdp else 0
+    if not fsdp and act_bytes < 4:
+        # no gathers: the step computes with a bf16 copy of the weights it holds (forge.train.compute_weights in one
+        # process; autocast's casts, which the backward keeps, under tp or pp alone)
+        gather = local_params * act_bytes
     grads = 4 * local_params
     if deferred_sync and shard > 1:
         expert_shard = max(degrees.dp_shard // degrees.ep, 1) if degrees.ep > 1 else shard
@@ -246,6 +254,12 @@ def estimate_memory(
         if degrees.pp > 1:
             gather = unsharded * act_bytes
     return MemoryEstimate(4 * local_params, grads, 8 * local_params, gather, full, ckpt, grads_at_peak)
+
+
+def fsdp_gathers(degrees: Degrees) -> bool:
+    """Whether FSDP gathers the parameters: over shards, and over replicas too (FSDP2 over (dp_replicate, 1) copies
+    the parameters into its gather buffers all the same)."""
+    return degrees.fsdp_shard > 1 or degrees.dp_replicate > 1
 
 
 def grads_at_peak(
@@ -389,10 +403,11 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         head_share=head_in_flight(degrees.pp, parallel.pp_schedule, chunks),
     )
     checkpointed = parallel.activation_checkpoint == "full"
+    weights = "FSDP gather" if fsdp_gathers(degrees) else "bf16 weights" if dtype == "bf16" else "gather"
     lines.append(
         f"estimated peak memory per rank ({dtype} activations, micro_batch_size {train.micro_batch_size}): "
         f"params {mem.params / GIB:.2f} + grads {mem.grads / GIB:.2f} + AdamW {mem.optimizer / GIB:.2f} "
-        f"+ FSDP gather {mem.gather_buffers / GIB:.2f} GiB; activations {mem.activations / GIB:.2f} GiB "
+        f"+ {weights} {mem.gather_buffers / GIB:.2f} GiB; activations {mem.activations / GIB:.2f} GiB "
         f"(full checkpointing: {mem.activations_checkpointed / GIB:.2f}); "
         f"peak {mem.peak(False) / GIB:.2f} GiB without checkpointing, {mem.peak(True) / GIB:.2f} GiB with"
         + (" (this config checkpoints)" if checkpointed else "")
