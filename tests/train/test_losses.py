@@ -94,7 +94,7 @@ def test_rowwise_cross_entropy_of_bf16_logits_is_within_a_rounding_of_the_exact_
     assert (error <= 2**-7 * 1.001 * grad.abs()).all(), (error / grad.abs()).nan_to_num().max()
 
 
-def test_rowwise_cross_entropy_refuses_a_second_backward_and_survives_all_labels_ignored():
+def test_rowwise_cross_entropy_refuses_a_second_backward_and_ignores_ignored_rows_whatever_they_hold():
     logits = torch.randn(1, 4, 7, requires_grad=True)
     loss = rowwise_cross_entropy(logits, torch.randint(0, 7, (1, 4)))
     loss.backward(retain_graph=True)
@@ -102,6 +102,11 @@ def test_rowwise_cross_entropy_refuses_a_second_backward_and_survives_all_labels
         loss.backward()  # the gradient made in the forward was scaled in place by the first
     ignored = rowwise_cross_entropy(logits.detach().requires_grad_(), torch.full((1, 4), -100))
     assert ignored.item() == 0.0
+    inf_row = logits.detach().clone()
+    inf_row[0, 1] = float("inf")  # an ignored row's logits do not reach the loss, as in torch's
+    labels = torch.tensor([[3, -100, 2, 5]])
+    expected = torch.nn.functional.cross_entropy(inf_row[0], labels[0], ignore_index=-100)
+    assert rowwise_cross_entropy(inf_row, labels).item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 def loss_and_grads(loss_fn, model, inputs, labels, dtype=torch.float32):

@@ -129,7 +129,8 @@ def _rowwise_loss(
     per_token = lse - logits.gather(1, targets).float()
     if z_loss_weight:
         per_token = per_token + z_loss_weight * lse.square()
-    return (per_token * scale).sum()
+    # an ignored row weighs nothing even when its logits are not finite (0 x inf would be nan), as in torch's loss
+    return torch.where(valid[:, None], per_token * scale, 0.0).sum()
 
 
 class _RowwiseCrossEntropy(torch.autograd.Function):
