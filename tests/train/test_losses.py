@@ -62,7 +62,7 @@ def float64_loss_and_grad(logits, labels, z_loss_weight, scale):
 @pytest.mark.parametrize("z_loss_weight", [0.0, 1e-2])
 def test_rowwise_cross_entropy_is_torchs_in_loss_and_gradient_across_chunks(monkeypatch, z_loss_weight):
     # 3 rows per chunk over 2 x 10 tokens: an uneven last chunk, ignored labels inside and across chunks
-    monkeypatch.setitem(losses.CHUNK_BYTES, "cpu", 4 * 3 * 50)
+    monkeypatch.setattr(losses, "CPU_CHUNK_BYTES", 4 * 3 * 50)
     gen = torch.Generator().manual_seed(1)
     logits = (4 * torch.randn(2, 10, 50, generator=gen)).requires_grad_()
     labels = torch.randint(0, 50, (2, 10), generator=gen)

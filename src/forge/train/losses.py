@@ -82,8 +82,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 # fp32 working set of one chunk of rows: on a CPU small enough to stay in cache and in malloc's heap (a fresh
 # mapping costs a page fault per 4 KiB); elsewhere large enough that the loop costs few kernel launches
-CHUNK_BYTES = {"cpu": 4 << 20}
-DEFAULT_CHUNK_BYTES = 256 << 20
+CPU_CHUNK_BYTES = 4 << 20
+ACCELERATOR_CHUNK_BYTES = 256 << 20
 
 
 def rowwise_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:
@@ -109,7 +109,7 @@ def _rowwise_loss(
     scale = (valid / valid.sum().clamp(min=1))[:, None]  # each row's weight in the mean
     targets = labels.clamp(min=0)[:, None]
     lse = torch.empty_like(scale)
-    chunk_bytes = CHUNK_BYTES.get(logits.device.type, DEFAULT_CHUNK_BYTES)
+    chunk_bytes = CPU_CHUNK_BYTES if logits.device.type == "cpu" else ACCELERATOR_CHUNK_BYTES
     rows = max(1, chunk_bytes // (4 * logits.shape[1]))
     for start in range(0, logits.shape[0], rows):
         end = start + rows
@@ -196,12 +196,12 @@ class CrossEntropyLoss(CrossEntropyOptions):
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         logits = model(inputs, attn_mask=attn_mask)
-        if not isinstance(logits, DTensor) and not self._compiled:
-            return rowwise_cross_entropy(logits, labels, self.z_loss_weight)
-        if self._compiled and not isinstance(logits, DTensor):
+        if isinstance(logits, DTensor):  # split over the vocabulary (tp): torch's loss_parallel
+            loss = cross_entropy(logits, labels)
+        elif self._compiled:
             loss = compiled_cross_entropy()(logits, labels)
         else:
-            loss = cross_entropy(logits, labels)
+            return rowwise_cross_entropy(logits, labels, self.z_loss_weight)
         if self.z_loss_weight:
             loss = loss + self.z_loss_weight * z_loss(logits, labels)
         return loss

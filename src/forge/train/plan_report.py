@@ -241,11 +241,11 @@ def estimate_memory(
     ckpt = tokens * rank_blocks * args.dim / tp * act_bytes + later + mask * (1 + act_bytes)
     shard = degrees.fsdp_shard
     fsdp = fsdp_gathers(degrees)
-    gather = (2 * block_gather_params(args, degrees) / tp + root_params) * act_bytes if fsdp else 0
-    if not fsdp and act_bytes < 4:
-        # no gathers: the step computes with a bf16 copy of the weights it holds (forge.train.compute_weights in one
-        # process; autocast's casts, which the backward keeps, under tp or pp alone)
-        gather = local_params * act_bytes
+    if fsdp:
+        gather = (2 * block_gather_params(args, degrees) / tp + root_params) * act_bytes
+    else:  # the step computes with a bf16 copy of the weights it holds (forge.train.compute_weights in one process;
+        # autocast's casts, which the backward keeps, under tp or pp alone); in fp32 with the weights themselves
+        gather = local_params * act_bytes if act_bytes < 4 else 0
     grads = 4 * local_params
     if deferred_sync and shard > 1:
         expert_shard = max(degrees.dp_shard // degrees.ep, 1) if degrees.ep > 1 else shard
