@@ -6,7 +6,8 @@ Each process of the run is the real `forge-train`, started through this file so 
 (the high-water mark of its resident set, /proc/self/status) when it exits. Sharded initialisation, FSDP and the
 automatic micro-batch (global batch / ranks) should leave the busiest of 4 ranks well under one process's peak;
 the ratio is printed. CPU flags are printed too, since bf16 runs differ by machine. `--also-adaptive` repeats both
-runs with glibc's adaptive mmap threshold (train.cpu_mmap_threshold_mib=0), where freed tensors stay in the heap.
+runs with glibc's adaptive mmap threshold (train.cpu_mmap_threshold_mib=0). Both runs are repeated with a fixed
+16 MiB threshold, which the default applies to the ranks only (one process keeps its heap).
 """
 
 import argparse
@@ -61,7 +62,10 @@ def main() -> None:
     overrides = [f"model={args.model}", f"train.steps={args.steps}", "train.eval_batches=1", "train.dtype=fp32",
                  "train.eval_every=0", "metrics.console=quiet"]  # fmt: skip
     print(f"CPU bf16 flags: {cpu_flags()}; model {args.model}, global batch 8, {args.steps} steps")
-    mallocs = {"forge's default (train.cpu_mmap_threshold_mib=16)": []}
+    mallocs = {
+        "forge's default (train.cpu_mmap_threshold_mib=null: one process keeps its heap, ranks fix 16 MiB)": [],
+        "a fixed 16 MiB threshold on both (train.cpu_mmap_threshold_mib=16)": ["train.cpu_mmap_threshold_mib=16"],
+    }
     if args.also_adaptive:
         mallocs["glibc's adaptive threshold (train.cpu_mmap_threshold_mib=0)"] = ["train.cpu_mmap_threshold_mib=0"]
     gib = 2**20

@@ -288,11 +288,17 @@ class TrainConfig:
     with native bf16 dot products, fp32 elsewhere)."""
     threads: int = 0
     """Intra-op CPU threads; 0 keeps torch's default."""
-    cpu_mmap_threshold_mib: int = 16
-    """On the CPU device with glibc: tensors of at least this many MiB are mmapped and go back to the OS when
-    freed, instead of staying in the heap (FSDP's gathered blocks otherwise grow each rank's resident memory by
-    what it freed; forge.train.host_malloc). 0 keeps glibc's adaptive threshold; at most 32; the environment's
-    MALLOC_MMAP_THRESHOLD_ wins."""
+    cpu_mmap_threshold_mib: int | None = None
+    """On the CPU device with glibc, where freed tensors go (forge.train.host_malloc). null: one process keeps them
+    all in its heap for the next step (large tensors mmapped afresh pay a page fault per 4 KiB at every step); on
+    several ranks, tensors of at least 16 MiB are mmapped and go back to the OS when freed (FSDP's gathered blocks
+    otherwise grow each rank's resident memory by what it freed). A number fixes that threshold (at most 32); 0
+    keeps glibc's adaptive one. The environment's MALLOC_* variables or GLIBC_TUNABLES win."""
+    cpu_huge_pages: bool = True
+    """On the CPU device, have torch ask the kernel for transparent huge pages for tensors of 2 MiB or more
+    (THP_MEM_ALLOC_ENABLE; forge.train.host_malloc): a fresh large tensor then faults once per 2 MiB, not per 4 KiB.
+    It takes effect only in a process that has not allocated a CPU tensor yet (the forge-train command), and not
+    where the kernel's transparent_hugepage is `never`; the environment's THP_MEM_ALLOC_ENABLE wins."""
 
 
 AsyncMode = StrEnum("AsyncMode", [(name, name) for name in ("sync", "async", "async_pinned")], module=__name__)

@@ -157,7 +157,7 @@ def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
     )
     _require(train.threads >= 0, f"train.threads={train.threads} must be >= 0 (0 keeps torch's default)")
     _require(
-        0 <= train.cpu_mmap_threshold_mib <= MAX_THRESHOLD_MIB,
+        train.cpu_mmap_threshold_mib is None or 0 <= train.cpu_mmap_threshold_mib <= MAX_THRESHOLD_MIB,
         f"train.cpu_mmap_threshold_mib={train.cpu_mmap_threshold_mib} must be within 0..{MAX_THRESHOLD_MIB} (glibc's "
         "largest; 0 keeps its adaptive threshold)",
     )

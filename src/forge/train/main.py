@@ -28,12 +28,26 @@ CALIBRATE = False
 
 
 def run(cfg: DictConfig) -> dict:
+    prepare_host(cfg)  # first: torch reads its huge-page switch at the process's first CPU allocation
     from forge.train.trainer import Trainer
     from forge.train.vlm_trainer import VLMTrainer
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     trainer = VLMTrainer if cfg.get("vlm") is not None else Trainer
     return trainer(cfg, run_dir).fit()
+
+
+def prepare_host(cfg: DictConfig) -> None:
+    """Where a CPU run's tensors live (forge.train.host_malloc): a process-wide choice, made by the command."""
+    from forge.parallel.env import read_dist_env
+    from forge.train.build import resolve_device
+    from forge.train.host_malloc import prepare_cpu_process
+
+    if resolve_device(cfg.train.device).type == "cpu":
+        dist_env = read_dist_env()
+        line = prepare_cpu_process(cfg.train, dist_env.world_size)
+        if dist_env.rank == 0:
+            log.info("%s", line)
 
 
 def fit_defaults_to_run(cfg: DictConfig) -> None:

@@ -29,7 +29,6 @@ from forge.resilience.preemption import EXIT_INTERRUPTED, PreemptionHandler
 from forge.train import build
 from forge.train.compute_weights import ComputeWeights, compute_weights
 from forge.train.freeze import Unfrozen
-from forge.train.host_malloc import set_mmap_threshold
 from forge.train.losses import cross_entropy
 from forge.train.precision import holds_weight_casts, resolve_dtype
 from forge.train.run_files import save_hydra_files
@@ -74,8 +73,6 @@ class Trainer:
             torch.set_num_threads(train.threads)
         torch.manual_seed(train.seed)
         self.device = build.resolve_device(train.device)
-        if self.device.type == "cpu":  # before the model: the threshold decides where its tensors live
-            set_mmap_threshold(train.cpu_mmap_threshold_mib)
         self.dtype = resolve_dtype(train.dtype, self.device)
         check_device(self.device)
         self.owns_process_group = dist.init_distributed(self.device, timeout_s=cfg.resilience.collective_timeout_s)
