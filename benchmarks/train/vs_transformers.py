@@ -22,7 +22,9 @@ best of square products and the model's widest product, in bursts between the ro
 untimed step: the rate when nothing else runs). FLOPs per token are forge.metrics.flops', as the trainer's MFU.
 After the table, a per-op profile of one forge eager step (self CPU time, top --profile ops).
 
-The CPU flags are printed first: with avx512_bf16 / amx_bf16, `--dtype auto` is bf16; without, fp32.
+The CPU flags are printed first: with avx512_bf16 / amx_bf16, `--dtype auto` is bf16; without, fp32. By default
+every contender runs under glibc's and torch's own host memory; `--host-memory forge` runs them all under what
+forge-train sets for one CPU process (its heap kept, transparent huge pages).
 """
 
 import argparse
@@ -44,6 +46,7 @@ from forge.metrics.flops import count_flops_per_token  # noqa: E402
 from forge.model import TransformerArgs, build_transformer  # noqa: E402
 from forge.parallel.plan import apply_compile  # noqa: E402
 from forge.train.compute_weights import ComputeWeights, scope  # noqa: E402
+from forge.train.host_malloc import ask_huge_pages, keep_heap  # noqa: E402
 from forge.train.losses import compiled_cross_entropy, cross_entropy  # noqa: E402
 from forge.train.precision import autocast, resolve_dtype  # noqa: E402
 
@@ -133,7 +136,12 @@ def main() -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager contenders only")
     parser.add_argument("--profile", type=int, default=15, help="ops in forge's step profile (0: none)")
     parser.add_argument("--peak-seconds", type=float, default=0.5, help="length of each peak-measuring burst")
+    parser.add_argument("--host-memory", choices=("glibc", "forge"), default="glibc",
+                        help="forge: every contender runs under forge-train's one-process host memory (heap kept, "
+                        "huge pages; forge.train.host_malloc)")  # fmt: skip
     opts = parser.parse_args()
+    if opts.host_memory == "forge":  # before any tensor: torch reads its huge-page switch at the first allocation
+        print(f"host memory: heap kept {keep_heap()}, huge pages {ask_huge_pages()}")
     shapes = opts.shape or [(256, 4, 256, 8), (1024, 4, 512, 4)]
     device = torch.device("cpu")
     dtype = resolve_dtype(opts.dtype, device)
