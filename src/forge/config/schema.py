@@ -293,7 +293,8 @@ class TrainConfig:
     all in its heap for the next step (large tensors mmapped afresh pay a page fault per 4 KiB at every step); on
     several ranks, tensors of at least 16 MiB are mmapped and go back to the OS when freed (FSDP's gathered blocks
     otherwise grow each rank's resident memory by what it freed). A number fixes that threshold (at most 32); 0
-    keeps glibc's adaptive one. The environment's MALLOC_* variables or GLIBC_TUNABLES win."""
+    keeps glibc's adaptive one. The environment's MALLOC_MMAP_THRESHOLD_, MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_,
+    MALLOC_TOP_PAD_ or glibc.malloc tunables win."""
     cpu_huge_pages: bool = True
     """On the CPU device, have torch ask the kernel for transparent huge pages for tensors of 2 MiB or more
     (THP_MEM_ALLOC_ENABLE; forge.train.host_malloc): a fresh large tensor then faults once per 2 MiB, not per 4 KiB.

@@ -1,4 +1,4 @@
-"""glibc's malloc when the training device is the CPU: where freed tensors go.
+"""Host memory when the training device is the CPU: where glibc puts freed tensors, and huge pages for fresh ones.
 
 glibc serves a large allocation with mmap and returns it to the OS when freed, but each such free raises its
 threshold (up to 32 MiB), so the next allocations of that size come from the heap and stay there once freed.
@@ -23,6 +23,8 @@ import platform
 from collections.abc import Callable
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 log = logging.getLogger("forge")
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
@@ -38,7 +40,7 @@ THP_MIN_BYTES = 2 << 20  # torch's threshold (gAlloc_threshold_thp)
 THP_SWITCH = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def prepare_cpu_process(train, world_size: int) -> str:
+def prepare_cpu_process(train: DictConfig, world_size: int) -> str:
     """Apply train.cpu_huge_pages and train.cpu_mmap_threshold_mib to this process, before the trainer's imports
     (torch.distributed.pipelining allocates a CPU tensor when imported); returns a line for the log."""
     huge_pages = train.cpu_huge_pages and ask_huge_pages()
