@@ -67,7 +67,8 @@ def main() -> None:
         "a fixed 16 MiB threshold on both (train.cpu_mmap_threshold_mib=16)": ["train.cpu_mmap_threshold_mib=16"],
     }
     if args.also_adaptive:
-        mallocs["glibc's adaptive threshold (train.cpu_mmap_threshold_mib=0)"] = ["train.cpu_mmap_threshold_mib=0"]
+        mallocs["glibc's adaptive threshold, no huge pages"] = ["train.cpu_mmap_threshold_mib=0",
+                                                                "train.cpu_huge_pages=false"]  # fmt: skip
     gib = 2**20
     with tempfile.TemporaryDirectory() as tmp:
         for number, (malloc, extra) in enumerate(mallocs.items()):

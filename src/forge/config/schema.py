@@ -288,7 +288,7 @@ class TrainConfig:
     with native bf16 dot products, fp32 elsewhere)."""
     threads: int = 0
     """Intra-op CPU threads; 0 keeps torch's default."""
-    cpu_mmap_threshold_mib: int | None = None
+    cpu_mmap_threshold_mib: Optional[int] = None
     """On the CPU device with glibc, where freed tensors go (forge.train.host_malloc). null: one process keeps them
     all in its heap for the next step (large tensors mmapped afresh pay a page fault per 4 KiB at every step); on
     several ranks, tensors of at least 16 MiB are mmapped and go back to the OS when freed (FSDP's gathered blocks

@@ -30,21 +30,31 @@ log = logging.getLogger("forge")
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
+DEFAULT_MMAP_MAX = 65536  # glibc's own count of mmapped chunks (DEFAULT_MMAP_MAX)
 MAX_THRESHOLD_MIB = 32  # glibc refuses more on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 RANKS_THRESHOLD_MIB = 16  # the automatic choice on several ranks (measured in benchmarks/memory/host_peak.py)
 NEVER_TRIM = 2**31 - 1  # mallopt takes an int: 2 GiB of free heap top before glibc gives any back
-ENV = "MALLOC_MMAP_THRESHOLD_"
-ENVIRONMENT_KNOBS = (ENV, "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+ENVIRONMENT_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+TUNABLE_KNOBS = tuple(f"glibc.malloc.{name}" for name in ("mmap_threshold", "mmap_max", "trim_threshold", "top_pad"))
 THP_ENV = "THP_MEM_ALLOC_ENABLE"  # torch reads it once, at the process's first CPU allocation
 THP_MIN_BYTES = 2 << 20  # torch's threshold (gAlloc_threshold_thp)
 THP_SWITCH = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+PREPARED = False
+"""Set once the command has prepared this process (forge.train.main.run); a Trainer built in-process checks it."""
+
+
 def prepare_cpu_process(train: DictConfig, world_size: int) -> str:
     """Apply train.cpu_huge_pages and train.cpu_mmap_threshold_mib to this process, before the trainer's imports
     (torch.distributed.pipelining allocates a CPU tensor when imported); returns a line for the log."""
-    huge_pages = train.cpu_huge_pages and ask_huge_pages()
+    global PREPARED
+    huge_pages = ask_huge_pages() if train.cpu_huge_pages else False
+    kernel_allows = THP_SWITCH.is_file() and "[never]" not in THP_SWITCH.read_text()
+    if train.cpu_huge_pages and not huge_pages and kernel_allows and os.environ.get(THP_ENV) == "1":
+        log.warning("torch had allocated a CPU tensor before train.cpu_huge_pages could apply: no huge pages")
     malloc = configure_host_malloc(train.cpu_mmap_threshold_mib, world_size)
+    PREPARED = True
     return f"host memory: {malloc}; transparent huge pages {'on' if huge_pages else 'off'}"
 
 
@@ -76,7 +86,7 @@ def _mallopt() -> Callable[[int, int], int] | None:
     environment wins)."""
     if any(name in os.environ for name in ENVIRONMENT_KNOBS):
         return None
-    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    if any(name in os.environ.get("GLIBC_TUNABLES", "") for name in TUNABLE_KNOBS):
         return None
     if platform.libc_ver()[0] != "glibc":  # musl and others: their own policy stands
         return None
@@ -104,6 +114,7 @@ def set_mmap_threshold(mebibytes: int) -> bool:
     mallopt = _mallopt() if mebibytes > 0 else None
     if mallopt is None:
         return False
+    mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)  # an earlier job of a multirun in this process may have kept the heap
     done = bool(mallopt(M_MMAP_THRESHOLD, mebibytes << 20))
     if not done:
         log.warning("the C library refused an mmap threshold of %d MiB; its default stands", mebibytes)
