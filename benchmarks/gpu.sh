@@ -6,7 +6,8 @@
 #   3. a small DeepSeek-V3-style MoE (conf/model/deepseek_v3_small.yaml), bf16, eager
 #   4. (CHUNKED=1) row 1 with loss=chunked_cross_entropy: the 128k-vocab logits never held at once
 #   5-8. with 2 or more GPUs: FSDP with the bf16 policy, async save on NCCL, fp8 + FSDP, a lost NCCL peer
-# First, the trainer's GPU health check (forge.resilience.health.check_device) on the GPU; CUDA or it stops.
+# First, the trainer's GPU health check (forge.resilience.health.check_device) on the GPU; CUDA or it stops; then
+# the host syncs of a default-model step (benchmarks/train/host_syncs.py: none between log steps).
 #
 #   make install-dev            # then a CUDA build of torch, e.g. pip install torch --index-url <CUDA wheel index>
 #   bash benchmarks/gpu.sh      # DRY_RUN=1 only composes each command (--cfg job): a CPU check of the script
@@ -114,6 +115,12 @@ run() {
 }
 
 failed=0
+if [ "$DRY_RUN" != 1 ]; then
+    # Host syncs per step of the default model (issue 24): none between log steps, under CUDA's sync debug mode.
+    echo "=== host_syncs: $PY benchmarks/train/host_syncs.py train.dtype=bf16 optimizer.fused=true"
+    "$PY" benchmarks/train/host_syncs.py train.dtype=bf16 optimizer.fused=true >"$OUT/host_syncs.txt" 2>&1 || failed=1
+    sed 's/^/    /' "$OUT/host_syncs.txt" | tail -n 20
+fi
 run dense_bf16_compile "${DENSE[@]}" || failed=1
 # The layout search's prediction for this run (issue 23), beside its measured step time.
 "$PY" -m benchmarks.search.predict_one_gpu "$OUT/dense_bf16_compile/metrics.jsonl" "${DENSE[@]}" "${COMMON[@]}" \

@@ -33,7 +33,7 @@ def step_all_reduces(model: list[str], run_dir: str) -> dict:
         trainer.train_step()
     finally:
         dist.all_reduce = real
-    tokens = trainer.step.count_folded and trainer.guard.world_tokens
+    tokens = trainer.step.count_folded and int(trainer.guard.pending[-1].world_tokens)
     return {"calls": calls, "world_tokens": tokens, "folded": trainer.step.count_folded}
 
 

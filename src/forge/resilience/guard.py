@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from forge.resilience.hard_exit import hard_exit
 from forge.resilience.liveness import EXIT_PEER_LOST, Liveness, PeerLostError, is_collective_failure
-from forge.resilience.nonfinite import NonFiniteError, NonFinitePolicy, step_flags
+from forge.resilience.nonfinite import NonFiniteError, NonFinitePolicy, StepFlags
 from forge.resilience.preemption import PreemptionHandler
 from forge.resilience.progress import ProgressBoard
 from forge.resilience.watchdog import StepWatchdog
@@ -38,7 +38,7 @@ class StepGuard:
             self.watchdog = StepWatchdog(cfg.watchdog_factor, cfg.watchdog_min_s, peers=self.progress.report)
         self.liveness = Liveness(cfg.liveness_timeout_s, cfg.liveness_every_steps)
         self.bad_steps: set[int] = set()
-        self.world_tokens: int | None = None  # the last step_is_finite's sum of the ranks' tokens
+        self.pending: list[StepFlags] = []  # launched steps' flags the host has not read yet, oldest first
         self.step: int | None = None  # the step in progress, for error messages
 
     def inject(self, step: int, loss: torch.Tensor) -> torch.Tensor:
@@ -54,19 +54,50 @@ class StepGuard:
             log.warning("fault injection: rank %d stalls at step %d", rank, step)
             time.sleep(3600)
 
-    def step_is_finite(
+    def launch_check(
         self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: torch.Tensor | None = None
-    ) -> bool:
-        """Apply the policy; False means: do not step the optimizer. Every rank also learns here whether any rank
-        was signalled to stop (the same all-reduce): `preemption.should_stop` then costs nothing this step. With
-        `tokens` (this rank's labelled tokens), `world_tokens` becomes their sum over every rank, from the same
-        all-reduce."""
-        bad, stop, self.world_tokens = step_flags(loss, grad_norm, self.preemption.received is not None, tokens)
-        self.preemption.agreed = stop
-        if not bad:
-            return True
-        policy = self.nonfinite
-        message = policy.describe(step, loss, grad_norm)
+    ) -> StepFlags:
+        """Start `step`'s check: its flags' all-reduce (non-finite values, a stop signal, and with `tokens`, this
+        rank's labelled tokens, their sum over every rank), without a host sync. `settle` reads it."""
+        flags = StepFlags(step, loss, grad_norm, self.preemption.received is not None, tokens)
+        self.pending.append(flags)
+        return flags
+
+    def settle(self, keep_newest: bool = False) -> bool:
+        """Read the pending steps' flags, oldest first (all but the newest with `keep_newest`), and apply the policy
+        to each. Returns False when the last step read must not step its optimizer (skip policy); raise and
+        rollback raise here. Every rank also learns whether any rank was signalled to stop: `should_stop` then
+        costs nothing."""
+        finite = True
+        while len(self.pending) > int(keep_newest):
+            flags = self.pending.pop(0)
+            bad, stop = flags.read()
+            self.preemption.agreed = bool(self.preemption.agreed) or stop
+            finite = not bad or self._nonfinite(flags)
+        return finite
+
+    def update_mask(self, flags: StepFlags) -> torch.Tensor | None:
+        """Under a policy that never applies a non-finite step's update (skip, raise, rollback): 1.0 on the device
+        when `flags`' step is finite, else 0.0, for an optimizer step that `settle` has not read yet; None under
+        warn, which applies it."""
+        return None if self.nonfinite.policy == "warn" else flags.finite()
+
+    def should_stop(self, device: torch.device) -> bool:
+        """True on every rank once any rank was signalled (`preemption.should_stop`). While a step's flags are
+        unread they carry this rank's signal to the others: on several ranks the answer then waits for `settle`
+        rather than taking an all-reduce and a host sync of its own."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            self.preemption.agreed = None
+            return self.preemption.received is not None  # one process: its own signal, at once
+        if self.pending and self.preemption.agreed is None:
+            return False
+        return self.preemption.should_stop(device)
+
+    def _nonfinite(self, flags: StepFlags) -> bool:
+        """The policy for a step whose flags say non-finite: False for skip, True for warn; raise and rollback
+        raise."""
+        policy, step = self.nonfinite, flags.step
+        message = policy.describe(step, flags.loss, flags.grad_norm)
         if policy.policy == "raise":
             raise NonFiniteError(message + " (resilience.nonfinite_policy=raise)")
         if policy.policy == "rollback":
@@ -74,6 +105,7 @@ class StepGuard:
                 raise NonFiniteError(message + f"; {policy.max_rollbacks} rollbacks spent")
             policy.rollbacks += 1
             self.bad_steps.add(step)
+            self.pending.clear()  # later steps are rolled back too
             log.warning("%s: rolling back to the last checkpoint and skipping this step's batches", message)
             raise RollbackRequested(step)
         if policy.policy == "skip":

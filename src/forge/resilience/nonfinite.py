@@ -23,18 +23,44 @@ class NonFinitePolicy:
         return f"non-finite loss or gradient norm at step {step} (loss {loss.item()}, grad norm {grad_norm.item()})"
 
 
-def step_flags(
-    loss: torch.Tensor, grad_norm: torch.Tensor, signalled: bool, tokens: torch.Tensor | None = None
-) -> tuple[bool, bool, int | None]:
-    """(any rank saw a non-finite loss or gradient norm, any rank was signalled to stop, the sum of every rank's
-    `tokens` or None): one SUM all-reduce of three integers over every rank and one host sync per step, where
-    separate checks would take a collective and a sync each. `tokens` is a step's labelled-token count, which
-    ranks holding the same tokens (tensor-parallel peers) each add."""
-    nonfinite = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
-    count = loss.new_zeros((), dtype=torch.int64) if tokens is None else tokens.to(loss.device, torch.int64)
-    flags = torch.stack([nonfinite.reshape(()).to(torch.int64), loss.new_tensor(int(signalled), dtype=torch.int64),
-                         count.reshape(())])  # fmt: skip
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flags)
-    bad, stop, total = flags.tolist()
-    return bad > 0, stop > 0, None if tokens is None else total
+class StepFlags:
+    """One step's (non-finite on any rank, stop signalled on any rank, labelled tokens summed over every rank), as
+    one SUM all-reduce of three int64 on the training device, where separate checks would take a collective and a
+    host sync each. Launching them costs no host sync: the host reads them (`read`) when it must, from a copy
+    made as soon as the all-reduce is done (a pinned one on a GPU, behind an event), so reading step N's flags
+    while step N + 1 is queued waits for step N only."""
+
+    def __init__(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, signalled: bool, tokens: torch.Tensor | None
+    ):
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        nonfinite = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
+        count = loss.new_zeros((), dtype=torch.int64) if tokens is None else tokens.to(loss.device, torch.int64)
+        flags = torch.stack([nonfinite.reshape(()).to(torch.int64), loss.new_tensor(int(signalled), dtype=torch.int64),
+                             count.reshape(())])  # fmt: skip
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags)
+        self.device_flags = flags
+        self.world_tokens = flags[2] if tokens is not None else None
+        """Every rank's labelled tokens summed (tensor-parallel peers each add theirs), on the device; None when
+        the step passed no count."""
+        self.event = None
+        if flags.is_cuda:
+            self.host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self.host.copy_(flags, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flags
+
+    def finite(self) -> torch.Tensor:
+        """1.0 on the device when no rank saw a non-finite value, else 0.0 (no host sync)."""
+        return (self.device_flags[0] == 0).to(torch.float32)
+
+    def read(self) -> tuple[bool, bool]:
+        """(any rank non-finite, any rank signalled): the host waits for this step's all-reduce, not for later
+        work."""
+        if self.event is not None:
+            self.event.synchronize()
+        bad, stop, _ = self.host.tolist()
+        return bad > 0, stop > 0

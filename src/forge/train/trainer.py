@@ -30,6 +30,7 @@ from forge.train import build, host_malloc
 from forge.train.compute_weights import ComputeWeights, compute_weights
 from forge.train.freeze import Unfrozen
 from forge.train.losses import cross_entropy
+from forge.train.masked_step import applied_where, masks_on_device
 from forge.train.precision import holds_weight_casts, resolve_dtype
 from forge.train.run_files import save_hydra_files
 from forge.train.steps import PipelineStep, Step, TextStep, token_mean
@@ -110,6 +111,7 @@ class Trainer:
         self.float8_all_gather = float8_all_gather_enabled(self.model)
         self.optimizer, self.scheduler = build.build_optimizer(cfg, self.model)
         set_optimizer_mode(self.optimizer, "train")  # schedule-free: DCP's state init takes a (zero-lr) step
+        self.masked_updates = masks_on_device(self.optimizer)  # a non-finite step's update is dropped on the device
         self.loader = build.build_loader(cfg, self.corpus, self.dp_rank, self.dp_size)
         self.state = self.restore()
         self.guard = StepGuard(cfg.resilience, self.preemption)
@@ -223,13 +225,22 @@ class Trainer:
         folded = self.step.count_folded  # the gradients wait for the step's token count, summed with the flags
         grad_norm = self.step.clip_grad_norm(0.0 if folded else train.grad_clip)
         rank_loss = loss_sum / tokens.clamp(min=1)  # this rank's mean, for the check and its message
-        finite = self.guard.step_is_finite(self.state.step + 1, rank_loss, grad_norm, tokens if folded else None)
+        flags = self.guard.launch_check(self.state.step + 1, rank_loss, grad_norm, tokens if folded else None)
         if folded:
-            grad_norm = self.step.finish_token_mean(self.guard.world_tokens, grad_norm, train.grad_clip)
+            grad_norm = self.step.finish_token_mean(flags.world_tokens, grad_norm, train.grad_clip)
+        finite, mask = True, None
+        if self.masked_updates:  # no host sync: the last step's flags are read while this one's are in flight
+            self.guard.settle(keep_newest=True)
+            mask = self.guard.update_mask(flags)
+        else:
+            finite = self.guard.settle()
         if finite:
-            self.optimizer.step()
+            with applied_where(self.optimizer, mask):
+                self.optimizer.step()
             # sigmoid routers: outside the gradient; the loads are summed over ranks only where needed
-            update_router_biases(self.model, sum_over_ranks, for_metrics=self.is_log_step(self.state.step + 1))
+            update_router_biases(
+                self.model, sum_over_ranks, for_metrics=self.is_log_step(self.state.step + 1), mask=mask
+            )
             if self.float8_all_gather:
                 from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -242,6 +253,19 @@ class Trainer:
 
     def is_log_step(self, step: int) -> bool:
         return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
+
+    def is_eval_step(self, step: int) -> bool:
+        train = self.cfg.train
+        return bool(train.eval_every and step % train.eval_every == 0) or step == train.steps
+
+    def reads_host(self, step: int) -> bool:
+        """Steps the host waits for anyway (a log line, an evaluation, a checkpoint): the non-finite policy is
+        applied to them at once; other steps' checks are read during the next step."""
+        return (
+            self.is_log_step(step)
+            or self.is_eval_step(step)
+            or self.checkpointer.should_save(step, self.cfg.train.steps)
+        )
 
     def batch_loss(self, batch: Batch) -> torch.Tensor:
         """The training loss (conf/loss) of one micro-batch, with autograd: the step body calls it for each
@@ -318,15 +342,22 @@ class Trainer:
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
                 continue
+            step = self.state.step + 1
             try:
                 loss_sum, tokens, grad_norm = self.train_step()
+                if self.reads_host(
+                    step
+                ):  # the policy acts on this step's flags before it is logged, evaluated or saved
+                    self.guard.settle()
+                preempted = self.guard.should_stop(self.device)
+                if preempted:
+                    self.guard.settle()
             except RollbackRequested as rollback:
                 self.roll_back(rollback.step)
                 continue
             self.guard.step_finished()
-            self.state.step += 1
+            self.state.step = step
             self.state.tokens_seen += self.tokens_per_step
-            step = self.state.step
             self.profiler.step_finished(step)
             if self.is_log_step(step):
                 loss = token_mean(loss_sum, tokens, self.mesh)
@@ -343,12 +374,11 @@ class Trainer:
                         **moe_metrics(self.model),
                     },
                 )
-            if (train.eval_every and step % train.eval_every == 0) or step == train.steps:
+            if self.is_eval_step(step):
                 with self.meter.paused():
                     val_loss = self.evaluate()
                 self.metrics.log_eval(step, val_loss)
             self.checkpointer.poll()
-            preempted = self.guard.preemption.should_stop(self.device)
             if preempted or self.checkpointer.should_save(step, train.steps):
                 with self.meter.paused():
                     self.save_checkpoint()
@@ -363,6 +393,7 @@ class Trainer:
                 )
                 self.preempted = True
                 break
+        self.guard.settle()  # a last skipped step's predecessor
         if self.preempted and not self.is_log_step(self.state.step):
             loss = token_mean(loss_sum, tokens, self.mesh)  # every rank stopped after this step
         self.checkpointer.wait()

@@ -48,7 +48,10 @@ def router_losses(model: nn.Module) -> torch.Tensor:
 
 @torch.no_grad()
 def update_router_biases(
-    model: nn.Module, all_reduce: Callable[[torch.Tensor], None] | None = None, for_metrics: bool = True
+    model: nn.Module,
+    all_reduce: Callable[[torch.Tensor], None] | None = None,
+    for_metrics: bool = True,
+    mask: torch.Tensor | None = None,
 ) -> None:
     """Sigmoid routers: bias += rate * sign(mean_load - load), from this step's tallied loads (DeepSeek-V3).
 
@@ -56,6 +59,8 @@ def update_router_biases(
     runs once for all layers that need the global loads (the bias updates, and with `for_metrics` every layer, for
     `moe_metrics` on a log step), not once per layer and step. Resets the tally (its last value stays readable as
     `last_step_tally` for the metrics; between log steps a layer without a bias update keeps this rank's loads).
+    `mask` (0-dim, 1.0 or 0.0 on the device): the step's update applies only where it is 1.0, as its optimizer
+    step's (a non-finite step, decided without a host sync).
     """
     layers = [layer for _, layer in moe_layers(model) if getattr(layer, "step_tally", None) is not None]
     if all_reduce is not None:
@@ -70,7 +75,8 @@ def update_router_biases(
         layer.last_step_tally, layer.step_tally = tally, None
         if _updates_bias(layer):
             load = tally[0]
-            layer.router.expert_bias.add_(layer.args.bias_update_rate * torch.sign(load.mean() - load))
+            update = layer.args.bias_update_rate * torch.sign(load.mean() - load)
+            layer.router.expert_bias.add_(update if mask is None else update * mask.to(update.dtype))
 
 
 def _updates_bias(layer: MoE) -> bool:

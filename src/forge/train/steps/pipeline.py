@@ -46,7 +46,7 @@ class PipelineStep:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.model, max_norm, self.pipeline.group, self.pipeline.counted_elsewhere)
 
-    def finish_token_mean(self, world_tokens: int, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    def finish_token_mean(self, world_tokens: torch.Tensor, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
         raise NotImplementedError("a pipeline's gradients are token means already (count_folded is False)")
 
     @torch.no_grad()

@@ -36,7 +36,7 @@ class Step(Protocol):
         """Clip the gradients to a global norm of max_norm (<= 0: only measure it); returns the norm."""
         ...
 
-    def finish_token_mean(self, world_tokens: int, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    def finish_token_mean(self, world_tokens: torch.Tensor, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
         """Only under `count_folded`: divide the gradients by the step's labelled tokens and clip them; returns the
         norm after the division."""
         ...

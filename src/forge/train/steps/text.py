@@ -118,14 +118,15 @@ class TextStep:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.model, max_norm)
 
-    def finish_token_mean(self, world_tokens: int, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    def finish_token_mean(self, world_tokens: torch.Tensor, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
         """Under `count_folded`: divide the gradients by the step's labelled tokens over the token ranks and clip
         them to max_norm, in one pass; `world_tokens` is every rank's count summed (tensor-parallel peers each
         add theirs) and `norm` the gradients' norm before the division. Returns the norm after it."""
         peers = dist.get_world_size() // self.token_ranks  # ranks holding the same tokens
-        factor = 1.0 / max(world_tokens // peers, 1)
+        tokens = torch.div(world_tokens, peers, rounding_mode="floor").clamp(min=1)
+        factor = (1.0 / tokens.to(torch.float64)).to(norm.dtype)  # on the device: no host sync
         norm = norm * factor
-        coef = torch.full_like(norm, factor)
+        coef = factor
         if max_norm > 0:  # as torch's clip_grads_with_norm_
             coef = coef * (max_norm / (norm + 1e-6)).clamp(max=1.0)
         scale_grads(self.model, coef)
