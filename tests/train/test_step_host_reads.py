@@ -116,3 +116,25 @@ def test_a_skipped_step_leaves_weights_and_moments_as_they_were(tmp_path, fused)
     trainer.guard.settle()
     assert trainer.guard.nonfinite.skipped == 1
     assert not torch.equal(before[0], weights_and_moments(trainer)[0])
+
+
+def test_a_rollback_read_while_passing_over_a_bad_step_stays_in_the_loop(tmp_path):
+    """A fault that does not repeat on replay: NaN at step 6, rolled back; on the replay NaN at step 5, whose flags
+    are still unread when step 6 (a bad step) is passed over. That read must roll back again, inside the loop."""
+    cfg = compose([*COMMON, "train.steps=6", "train.log_every=10", "train.eval_every=0", "checkpoint.interval=2",
+                   "resilience.nonfinite_policy=rollback"])  # fmt: skip
+    trainer = Trainer(cfg, tmp_path)
+    poisoned = iter([6, 5])
+    at = {"step": next(poisoned)}
+
+    def inject(step, loss):
+        if step == at["step"]:
+            at["step"] = next(poisoned, None)
+            return loss * float("nan")
+        return loss
+
+    trainer.guard.inject = inject
+    summary = trainer.fit()
+    assert trainer.guard.nonfinite.rollbacks == 2
+    assert trainer.guard.bad_steps == {5, 6}
+    assert summary["steps"] == 6

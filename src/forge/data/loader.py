@@ -130,9 +130,17 @@ def eval_batches(
         yield split_sample(samples, document_eos)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory without blocking: a plain copy from pageable
+    memory makes the host wait until the GPU has finished all queued work (a host sync per micro-batch)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def batch_to_device(batch: tuple[torch.Tensor, ...], device: torch.device):
     """(inputs, labels, attn_mask or None) on `device`: with doc_ids, a DocumentMask, from which the model builds
     each layer's mask for its attention kernel (a dense one for SDPA, a BlockMask for flex)."""
-    inputs, labels = batch[0].to(device), batch[1].to(device)
-    attn_mask = DocumentMask(batch[2].to(device)) if len(batch) > 2 else None
+    inputs, labels = to_device(batch[0], device), to_device(batch[1], device)
+    attn_mask = DocumentMask(to_device(batch[2], device)) if len(batch) > 2 else None
     return inputs, labels, attn_mask

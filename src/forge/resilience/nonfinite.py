@@ -36,8 +36,8 @@ class StepFlags:
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
         nonfinite = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
         count = loss.new_zeros((), dtype=torch.int64) if tokens is None else tokens.to(loss.device, torch.int64)
-        flags = torch.stack([nonfinite.reshape(()).to(torch.int64), loss.new_tensor(int(signalled), dtype=torch.int64),
-                             count.reshape(())])  # fmt: skip
+        signal = torch.full((), int(signalled), dtype=torch.int64, device=loss.device)  # filled there: no copy
+        flags = torch.stack([nonfinite.reshape(()).to(torch.int64), signal, count.reshape(())])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags)
         self.device_flags = flags

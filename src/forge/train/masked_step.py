@@ -8,9 +8,11 @@ import torch
 
 
 def masks_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """torch's fused Adam, AdamW and SGD take GradScaler's `found_inf` tensor: on 1 the kernel leaves the
-    parameters, the moments and the step count as they were. Other optimizers need the host to decide."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and bool(optimizer.defaults.get("fused"))
+    """torch's fused Adam and AdamW take GradScaler's `found_inf` tensor: on 1 the kernel leaves the parameters,
+    the moments and the step count as they were. Other optimizers need the host to decide (fused SGD also takes
+    it, but a skipped first step leaves its momentum buffers uninitialised, and it has no DTensor rule for FSDP)."""
+    fused_adam = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
+    return fused_adam and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 @contextmanager

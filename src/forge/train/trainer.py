@@ -14,7 +14,7 @@ from forge.config import validate
 from forge.data import Batch
 from forge.metrics.logger import format_duration
 from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter
-from forge.model.moe import moe_metrics, update_router_biases
+from forge.model.moe import moe_layers, moe_metrics, update_router_biases
 from forge.parallel import dist
 from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.expert import sum_over_ranks
@@ -283,6 +283,8 @@ class Trainer:
         if path is None:
             raise RuntimeError(f"step {bad_step} needs a rollback but no checkpoint has been written yet")
         self.optimizer.zero_grad(set_to_none=True)
+        for _, layer in moe_layers(self.model):  # a rolled-back step's expert loads must not reach the replay
+            layer.step_tally = None
         self.state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.loader)
         set_optimizer_mode(self.optimizer, "train")
 
@@ -338,6 +340,11 @@ class Trainer:
             self.profiler.step_started(self.state.step + 1)
             self.guard.step_started(self.state.step + 1)
             if self.state.step + 1 in self.guard.bad_steps:
+                try:
+                    self.guard.settle()  # the last trained step's check, inside the try: it may roll back too
+                except RollbackRequested as rollback:
+                    self.roll_back(rollback.step)
+                    continue
                 self.skip_step()
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
@@ -393,7 +400,7 @@ class Trainer:
                 )
                 self.preempted = True
                 break
-        self.guard.settle()  # a last skipped step's predecessor
+        self.guard.settle()  # none is left unread in practice (log steps and skipped steps read theirs); none dropped
         if self.preempted and not self.is_log_step(self.state.step):
             loss = token_mean(loss_sum, tokens, self.mesh)  # every rank stopped after this step
         self.checkpointer.wait()

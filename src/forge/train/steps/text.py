@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from forge.data import Batch
-from forge.data.loader import batch_to_device
+from forge.data.loader import batch_to_device, to_device
 from forge.model.moe import has_router_losses, router_losses
 from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.grads import clip_grad_norm, scale_grads, set_gradient_sync
@@ -88,7 +88,7 @@ class TextStep:
         non-finite flags' all-reduce has summed the count; else the count is all-reduced here, overlapping the
         first micro-batch's forward."""
         assert self.train_loss is not None, "a TextStep built without train_loss only evaluates"
-        counts = torch.stack([self.labelled_tokens(b) for b in batches]).to(self.device, torch.float32)
+        counts = to_device(torch.stack([self.labelled_tokens(b) for b in batches]), self.device).float()
         total, pending = None, None
         if not self.count_folded:
             total, pending = start_sum_over_token_ranks(counts.sum(), self.mesh)
