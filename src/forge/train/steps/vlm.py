@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from forge.data import Batch
+from forge.data.loader import to_device
 from forge.train.losses import Loss
 from forge.train.precision import autocast
 from forge.train.steps.text import TextStep
@@ -33,6 +34,6 @@ class VLMStep(TextStep):
         return batch["labels"]
 
     def batch_loss(self, batch: Batch, loss: Loss) -> torch.Tensor:
-        media = {key: value.to(self.device) for key, value in batch.items()}
+        media = {key: to_device(value, self.device) for key, value in batch.items()}
         with autocast(self.device, self.dtype):
             return loss(MediaModel(self.model), media, media["labels"])
