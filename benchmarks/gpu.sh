@@ -2,12 +2,14 @@
 # Tokens/s and MFU on one GPU (prepared for an H200), a few minutes in all, one table at the end:
 #   1. a ~1B dense Llama (conf/model/llama3_1b.yaml), bf16 + per-block torch.compile; the layout search's
 #      predicted step time for it beside the measured one (benchmarks/search/predict_one_gpu.py)
-#   2. the same with float8 linear layers (parallel.fp8=true, needs torchao; skipped without it)
+#   2. (run last) the same with float8 linear layers (parallel.fp8=true, needs torchao; skipped without it)
 #   3. a small DeepSeek-V3-style MoE (conf/model/deepseek_v3_small.yaml), bf16, eager
 #   4. (CHUNKED=1) row 1 with loss=chunked_cross_entropy: the 128k-vocab logits never held at once
 #   5-8. with 2 or more GPUs: FSDP with the bf16 policy, async save on NCCL, fp8 + FSDP, a lost NCCL peer
 # First, the trainer's GPU health check (forge.resilience.health.check_device) on the GPU; CUDA or it stops; then
-# the host syncs of a default-model step (benchmarks/train/host_syncs.py: none between log steps).
+# the host syncs of a default-model step (benchmarks/train/host_syncs.py: none between log steps). After row 1,
+# forge against transformers, eager and compiled, side by side at dim 256 and 1024 (benchmarks/train/
+# vs_transformers.py --device cuda --lean: the CPU table's settings, GPU-sized batches; VS_HF_SHAPES).
 #
 #   make install-dev            # then a CUDA build of torch, e.g. pip install torch --index-url <CUDA wheel index>
 #   bash benchmarks/gpu.sh      # DRY_RUN=1 only composes each command (--cfg job): a CPU check of the script
@@ -15,7 +17,8 @@
 # Environment: PYTHON (.venv/bin/python), OUT_DIR (outputs/gpu_bench/<time>), STEPS (40), PEAK_TFLOPS (989, the
 # H200's dense bf16 peak; MFU of the fp8 run is against it too), SEQ (2048), MICRO (8 sequences per step),
 # RUN_TIMEOUT (420 s per run), BUDGET_S (no limit; else the script's whole time: each run is cut to what is left,
-# and one is skipped when less than RUN_TIMEOUT/2 is left), CHUNKED (0).
+# and one is skipped when less than RUN_TIMEOUT/2 is left), CHUNKED (0), VS_HF_SHAPES (dim:layers:seq:batch ...,
+# "256:4:2048:16 1024:4:2048:8"; empty: that table is skipped).
 # Each run logs every 10 steps to <run dir>/metrics.jsonl; the table averages the records after the first (the
 # first interval holds compilation and warm-up). MFU = FLOPs/token (forge.metrics.flops) x tokens/s / peak; the
 # table also gives it against the bf16 matmul rate measured here first (8192^3 products on random data), which is
@@ -83,6 +86,20 @@ COMMON=(
 DENSE=(model=llama3_1b parallel.compile=true)
 RUNS=()
 
+# A step's time limit: RUN_TIMEOUT, cut to what BUDGET_S leaves; fails (printing what is left) under half of it.
+time_limit() {
+    local limit=${RUN_TIMEOUT:-420}
+    if [ -n "${BUDGET_S:-}" ]; then
+        local left=$((BUDGET_S - SECONDS))
+        if [ "$left" -lt $((limit / 2)) ]; then
+            echo "$left"
+            return 1
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    echo "$limit"
+}
+
 run() {
     local name=$1
     shift
@@ -94,16 +111,12 @@ run() {
         echo "    composed: exit $code ($OUT/$name.cfg.yaml)"
         return $code
     fi
-    local limit=${RUN_TIMEOUT:-420}
-    if [ -n "${BUDGET_S:-}" ]; then
-        local left=$((BUDGET_S - SECONDS))
-        if [ "$left" -lt $((limit / 2)) ]; then
-            echo "    skipped: $left s of BUDGET_S left"
-            echo skipped >"$OUT/$name.exit"
-            RUNS+=("$name")
-            return 0
-        fi
-        [ "$left" -lt "$limit" ] && limit=$left
+    local limit
+    if ! limit=$(time_limit); then
+        echo "    skipped: $limit s of BUDGET_S left"
+        echo skipped >"$OUT/$name.exit"
+        RUNS+=("$name")
+        return 0
     fi
     local start=$SECONDS
     timeout -k 10 "$limit" "$PY" -m forge.train "${args[@]}" >"$OUT/$name.log" 2>&1
@@ -125,12 +138,25 @@ run dense_bf16_compile "${DENSE[@]}" || failed=1
 # The layout search's prediction for this run (issue 23), beside its measured step time.
 "$PY" -m benchmarks.search.predict_one_gpu "$OUT/dense_bf16_compile/metrics.jsonl" "${DENSE[@]}" "${COMMON[@]}" \
     | tee "$OUT/search_prediction.txt" | sed 's/^/    /' || failed=1
+# forge (eager; blocks and loss compiled) against transformers (eager; whole model compiled), issue 24's table.
+read -r -a VS_HF <<<"${VS_HF_SHAPES-256:4:2048:16 1024:4:2048:8}"
+if [ "$DRY_RUN" != 1 ] && [ "${#VS_HF[@]}" -gt 0 ]; then
+    vs_args=(benchmarks/train/vs_transformers.py --device cuda --lean --steps 5 --peak-seconds 0.2 --profile 12)
+    for shape in "${VS_HF[@]}"; do vs_args+=(--shape "$shape"); done
+    echo "=== vs_transformers: $PY ${vs_args[*]}"
+    if limit=$(time_limit); then
+        timeout -k 10 "$limit" "$PY" "${vs_args[@]}" >"$OUT/vs_transformers.txt" 2>&1 || failed=1
+        grep -E '^(\||dim|cpu flags)' "$OUT/vs_transformers.txt" | sed 's/^/    /'
+    else
+        echo "    skipped: $limit s of BUDGET_S left"
+    fi
+fi
+run moe_bf16 model=deepseek_v3_small || failed=1
 if [ "$DRY_RUN" = 1 ] || "$PY" -c "import torchao" 2>/dev/null; then
     run dense_fp8_compile "${DENSE[@]}" parallel.fp8=true || failed=1
 else
     echo "=== dense_fp8_compile: skipped, torchao is not installed (pip install torchao)"
 fi
-run moe_bf16 model=deepseek_v3_small || failed=1
 if [ "${CHUNKED:-0}" = 1 ]; then
     run dense_bf16_compile_chunked_ce "${DENSE[@]}" loss=chunked_cross_entropy loss.chunk_size=4096 || failed=1
 fi

@@ -31,6 +31,7 @@ def main(overrides: list[str]) -> int:
         print("host_syncs: no CUDA device; the CPU check is tests/train/test_step_host_reads.py")
         return 0
     args = ["train.device=cuda", "train.steps=8", "train.log_every=4", "train.eval_every=0", "checkpoint.interval=0",
+            "scheduler.warmup_steps=2",
             "metrics.console=quiet", *overrides]  # fmt: skip
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(compose(args), Path(run_dir))

@@ -1,7 +1,7 @@
 """forge's training step against transformers' LlamaForCausalLM, eager and compiled, side by side in one run.
 
     .venv/bin/python benchmarks/train/vs_transformers.py [--shape 256:4:256:8 --shape 1024:4:512:4 --dtype auto
-        --steps 3 --no-compile --profile 15]
+        --steps 3 --no-compile --profile 15 --profile-all --lean --whole-model --device cuda]
 
 A shape is dim:layers:seq:batch (heads = dim / 64, vocab 8192, SwiGLU hidden 4 x dim). For each shape, the
 contenders take AdamW steps on the same random tokens, in turns, so the machine's noise hits all alike:
@@ -20,11 +20,13 @@ Each row gives tokens/s (of the median step: one step slowed by another job does
 transformers eager and to transformers compiled, and the MFU against the matmul peak measured in the same run (the
 best of square products and the model's widest product, in bursts between the rounds of steps, each followed by an
 untimed step: the rate when nothing else runs). FLOPs per token are forge.metrics.flops', as the trainer's MFU.
-After the table, a per-op profile of one forge eager step (self CPU time, top --profile ops).
+After the table, a per-op profile of one forge eager step (self CPU time, or self GPU time on a GPU; top --profile
+ops); `--profile-all` profiles every contender.
 
-The CPU flags are printed first: with avx512_bf16 / amx_bf16, `--dtype auto` is bf16; without, fp32. By default
-every contender runs under glibc's and torch's own host memory; `--host-memory forge` runs them all under what
-forge-train sets for one CPU process (its heap kept, transparent huge pages).
+On a GPU (`--device cuda`, as benchmarks/gpu.sh runs it) each step is timed between CUDA synchronizations and
+the profile is by self GPU time. The CPU flags are printed first: with avx512_bf16 / amx_bf16, `--dtype auto` is
+bf16; without, fp32. By default every contender runs under glibc's and torch's own host memory; `--host-memory
+forge` runs them all under what forge-train sets for one CPU process (its heap kept, transparent huge pages).
 """
 
 import argparse
@@ -70,7 +72,7 @@ def step_fn(
 
     def step() -> None:
         with scope(weights):
-            with autocast(torch.device("cpu"), dtype):
+            with autocast(tokens.device, dtype):
                 logits = logits_of(model, tokens[:, :-1])
             loss = loss_of(logits, tokens[:, 1:])
             loss.backward()
@@ -81,17 +83,24 @@ def step_fn(
 
 
 def forge_step(args: TransformerArgs, tokens: torch.Tensor, dtype: str, **options) -> Callable:
-    """forge's one-process step: `compile` per block, `copies` (under bf16) on one bf16 copy of the weights."""
-    model = build_transformer(args)
+    """forge's one-process step: `compile` "blocks" (each block, as parallel.compile=true) or "model" (the whole
+    forward as one graph), `copies` (under bf16) on one bf16 copy of the weights."""
+    model = build_transformer(args, tokens.device)
     weights = ComputeWeights(model) if dtype == "bf16" and options.pop("copies", True) else None
-    if options.pop("compile", False):
+    how = options.pop("compile", None)  # "blocks" (parallel.compile=true) or "model" (one graph)
+    if how == "blocks":
         apply_compile(model)
     loss_of = options.pop("loss_of", cross_entropy)
     fused = options.pop("fused", True)
-    return step_fn(model, lambda m, x: m(x), fused, tokens, dtype, loss_of=loss_of, weights=weights, **options)
+    logits_of = torch.compile(lambda m, x: m(x)) if how == "model" else (lambda m, x: m(x))
+    return step_fn(model, logits_of, fused, tokens, dtype, loss_of=loss_of, weights=weights, **options)
 
 
-def contenders(dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str, compile_: bool) -> dict:
+def contenders(
+    dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str, compile_: bool, lean: bool, whole: bool
+) -> dict:
+    """The steps to time, by name; `lean` keeps forge's best setting and transformers' two (no ablation rows);
+    `whole` adds forge's whole forward compiled as one graph, as transformers' is."""
     args = shape_args(dim, layers, seq, VOCAB)
     hf_config = LlamaConfig(
         vocab_size=VOCAB,
@@ -103,29 +112,41 @@ def contenders(dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str
         attn_implementation="sdpa",
     )
     theirs = lambda m, x: m(x).logits  # noqa: E731
+    hf_model = lambda: LlamaForCausalLM(hf_config).to(tokens.device)  # noqa: E731
     runs = {"forge eager": forge_step(args, tokens, dtype)}
-    if dtype == "bf16":
-        runs["forge eager, fp32 weights under autocast"] = forge_step(args, tokens, dtype, copies=False)
-    runs["forge eager, torch's AdamW choice"] = forge_step(args, tokens, dtype, fused=False)
-    runs["forge eager, torch's cross-entropy"] = forge_step(args, tokens, dtype, loss_of=torch_cross_entropy)
-    runs["transformers eager"] = step_fn(LlamaForCausalLM(hf_config), theirs, True, tokens, dtype)
+    if not lean:
+        if dtype == "bf16":
+            runs["forge eager, fp32 weights under autocast"] = forge_step(args, tokens, dtype, copies=False)
+        runs["forge eager, torch's AdamW choice"] = forge_step(args, tokens, dtype, fused=False)
+        runs["forge eager, torch's cross-entropy"] = forge_step(args, tokens, dtype, loss_of=torch_cross_entropy)
+    runs["transformers eager"] = step_fn(hf_model(), theirs, True, tokens, dtype)
     if compile_:
-        runs["forge compiled"] = forge_step(args, tokens, dtype, compile=True)
         loss = compiled_cross_entropy()
-        runs["forge compiled, compiled loss"] = forge_step(args, tokens, dtype, compile=True, loss_of=loss)
-        hf_compiled = torch.compile(LlamaForCausalLM(hf_config))
-        runs["transformers compiled"] = step_fn(hf_compiled, theirs, True, tokens, dtype)
-        hf_compiled = torch.compile(LlamaForCausalLM(hf_config))
-        runs["transformers compiled, compiled loss"] = step_fn(hf_compiled, theirs, True, tokens, dtype, loss)
+        if not lean:
+            runs["forge compiled"] = forge_step(args, tokens, dtype, compile="blocks")
+        runs["forge compiled, compiled loss"] = forge_step(args, tokens, dtype, compile="blocks", loss_of=loss)
+        if whole:
+            runs["forge compiled as one graph, compiled loss"] = forge_step(
+                args, tokens, dtype, compile="model", loss_of=loss
+            )
+        runs["transformers compiled"] = step_fn(torch.compile(hf_model()), theirs, True, tokens, dtype)
+        if not lean:
+            runs["transformers compiled, compiled loss"] = step_fn(
+                torch.compile(hf_model()), theirs, True, tokens, dtype, loss
+            )
     return args, runs
 
 
-def profile_step(step: Callable, top: int) -> str:
+def profile_step(step: Callable, top: int, device: torch.device) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    on_gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as prof:
         step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+        if on_gpu:
+            torch.cuda.synchronize()
+    sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=top)
 
 
 def main() -> None:
@@ -133,8 +154,14 @@ def main() -> None:
     parser.add_argument("--shape", action="append", type=parse_shape, help="dim:layers:seq:batch (repeatable)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (benchmarks/gpu.sh)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager contenders only")
+    parser.add_argument("--lean", action="store_true", help="forge eager, forge compiled with compiled loss (its "
+                        "parallel.compile=true), transformers eager and compiled: no ablation rows")  # fmt: skip
     parser.add_argument("--profile", type=int, default=15, help="ops in forge's step profile (0: none)")
+    parser.add_argument("--whole-model", action="store_true", help="add forge with its whole forward compiled as "
+                        "one graph (the trainer compiles each block)")  # fmt: skip
+    parser.add_argument("--profile-all", action="store_true", help="profile every contender, not forge eager alone")
     parser.add_argument("--peak-seconds", type=float, default=0.5, help="length of each peak-measuring burst")
     parser.add_argument("--host-memory", choices=("glibc", "forge"), default="glibc",
                         help="forge: every contender runs under forge-train's one-process host memory (heap kept, "
@@ -143,15 +170,18 @@ def main() -> None:
     if opts.host_memory == "forge":  # before any tensor: torch reads its huge-page switch at the first allocation
         print(f"host memory: heap kept {keep_heap()}, huge pages {ask_huge_pages()}")
     shapes = opts.shape or [(256, 4, 256, 8), (1024, 4, 512, 4)]
-    device = torch.device("cpu")
+    device = torch.device(opts.device)
     dtype = resolve_dtype(opts.dtype, device)
-    print(f"cpu flags: {cpu_flags()} | {dtype} | {torch.get_num_threads()} threads | torch {torch.__version__}")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gpu = f" | {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    print(f"cpu flags: {cpu_flags()}{gpu} | {dtype} | {torch.get_num_threads()} threads | torch {torch.__version__}")
     profiles = []
     for dim, layers, seq, batch in shapes:
-        tokens = torch.randint(0, VOCAB, (batch, seq + 1))
-        args, runs = contenders(dim, layers, seq, tokens, dtype, opts.compile)
+        tokens = torch.randint(0, VOCAB, (batch, seq + 1), device=device)
+        args, runs = contenders(dim, layers, seq, tokens, dtype, opts.compile, opts.lean, opts.whole_model)
         for step in runs.values():
             step()  # warm-up (and compilation)
+        sync()
         widest = (batch * seq, dim, max(4 * dim, VOCAB))
         peaks, seconds = [peak_flops(device, dtype, widest, opts.peak_seconds)], {name: [] for name in runs}
         for _ in range(opts.steps):
@@ -159,8 +189,10 @@ def main() -> None:
             # timed first, read 0.8x of the same step timed later), so an untimed step comes first
             runs["forge eager"]()
             for name, step in runs.items():
+                sync()
                 start = time.perf_counter()
                 step()
+                sync()
                 seconds[name].append(time.perf_counter() - start)
             peaks.append(peak_flops(device, dtype, widest, opts.peak_seconds / 2))
         rate = {name: batch * seq / statistics.median(s) for name, s in seconds.items()}
@@ -175,9 +207,10 @@ def main() -> None:
                 f"{100 * flops_per_token * value / peak:.0f}% |"
             )
         if opts.profile:
-            profiles.append((dim, profile_step(runs["forge eager"], opts.profile)))
+            for name in runs if opts.profile_all else ["forge eager"]:
+                profiles.append((f"{name} step, dim {dim}", profile_step(runs[name], opts.profile, device)))
     for title, table in profiles:
-        print(f"\nforge eager step, dim {title}, by self CPU time:\n{table}")
+        print(f"\n{title}, by self {'GPU' if device.type == 'cuda' else 'CPU'} time:\n{table}")
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ class TextStep:
         total, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         with scope(self.compute_weights):
             for batch in batches:
-                count = self.labelled_tokens(batch).to(self.device)
+                count = to_device(self.labelled_tokens(batch), self.device)
                 with loss_context(self.logits_split):
                     total += self.batch_loss(batch, EVAL_LOSS) * count
                 tokens += count
