@@ -9,7 +9,8 @@
 # First, the trainer's GPU health check (forge.resilience.health.check_device) on the GPU; CUDA or it stops; then
 # the host syncs of a default-model step (benchmarks/train/host_syncs.py: none between log steps). After row 1,
 # forge against transformers, eager and compiled, side by side at dim 256 and 1024 (benchmarks/train/
-# vs_transformers.py --device cuda --lean: the CPU table's settings, GPU-sized batches; VS_HF_SHAPES).
+# vs_transformers.py --device cuda --lean: the CPU table's settings, GPU-sized batches; VS_HF_SHAPES), and the
+# loss alone (benchmarks/train/rowwise_ce.py: torch's, forge's eager row-wise, compiled; time and memory).
 #
 #   make install-dev            # then a CUDA build of torch, e.g. pip install torch --index-url <CUDA wheel index>
 #   bash benchmarks/gpu.sh      # DRY_RUN=1 only composes each command (--cfg job): a CPU check of the script
@@ -150,6 +151,13 @@ if [ "$DRY_RUN" != 1 ] && [ "${#VS_HF[@]}" -gt 0 ]; then
     else
         echo "    skipped: $limit s of BUDGET_S left"
     fi
+fi
+if [ "$DRY_RUN" != 1 ]; then
+    # The loss alone: torch's, forge's eager row-wise and the compiled cross-entropy, time and memory.
+    ce_args=(benchmarks/train/rowwise_ce.py --device cuda --shape 32768:8192 --shape 16384:128256 --repeats 10)
+    echo "=== rowwise_ce: $PY ${ce_args[*]}"
+    timeout -k 10 120 "$PY" "${ce_args[@]}" >"$OUT/rowwise_ce.txt" 2>&1 || failed=1
+    grep -E '^(\||[0-9]+ tokens)' "$OUT/rowwise_ce.txt" | sed 's/^/    /'
 fi
 run moe_bf16 model=deepseek_v3_small || failed=1
 if [ "$DRY_RUN" = 1 ] || "$PY" -c "import torchao" 2>/dev/null; then

@@ -10,6 +10,7 @@ BENCHMARKS = [
     ["train/mfu.py"],
     ["train/startup.py"],
     ["train/chunked_ce.py"],
+    ["train/rowwise_ce.py"],
     ["train/weight_casts.py"],
     ["data/bench_data.py"],
     ["checkpoint/save_stall.py"],
