@@ -84,6 +84,8 @@ def main() -> None:
     print(f"| shape (dim, layers, seq, batch) | tokens/s | model GFLOP/s | {dtype} matmul peak GFLOP/s | MFU |")
     print("|---|---|---|---|---|")
     for dim, layers, seq, batch in shapes:
+        # a second shape through the same code would be compiled for dynamic shapes; a run trains on one shape
+        torch._dynamo.reset()
         args = shape_args(dim, layers, seq, opts.vocab)
         model = build_transformer(args, device)
         weights = ComputeWeights(model) if dtype == "bf16" else None

@@ -177,6 +177,8 @@ def main() -> None:
     print(f"cpu flags: {cpu_flags()}{gpu} | {dtype} | {torch.get_num_threads()} threads | torch {torch.__version__}")
     profiles = []
     for dim, layers, seq, batch in shapes:
+        # a second shape through the same code would be compiled for dynamic shapes; a run trains on one shape
+        torch._dynamo.reset()
         tokens = torch.randint(0, VOCAB, (batch, seq + 1), device=device)
         args, runs = contenders(dim, layers, seq, tokens, dtype, opts.compile, opts.lean, opts.whole_model)
         for step in runs.values():
