@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.*
 
-from benchmarks.machine import cpu_flags  # noqa: E402
+from benchmarks.machine import cpu_flags, gpu_note  # noqa: E402
 from forge.train import losses  # noqa: E402
 
 
@@ -59,8 +59,7 @@ def main() -> None:
     device = torch.device(opts.device)
     shapes = [tuple(int(x) for x in s.split(":")) for s in opts.shape or ["2048:8192", "1024:32768"]]
     dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
-    gpu = f" | {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    print(f"cpu flags: {cpu_flags()}{gpu} | logits {opts.dtype} | torch {torch.__version__}")
+    print(f"cpu flags: {cpu_flags()}{gpu_note(device)} | logits {opts.dtype} | torch {torch.__version__}")
     contenders = {
         "torch F.cross_entropy of fp32 logits": torch_cross_entropy,
         "forge row-wise (eager)": losses.rowwise_cross_entropy,

@@ -42,7 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.*
 
-from benchmarks.machine import cpu_flags  # noqa: E402
+from benchmarks.machine import cpu_flags, gpu_note, synchronizer  # noqa: E402
 from benchmarks.train.mfu import parse_shape, peak_flops, shape_args  # noqa: E402
 from forge.metrics.flops import count_flops_per_token  # noqa: E402
 from forge.model import TransformerArgs, build_transformer  # noqa: E402
@@ -172,9 +172,9 @@ def main() -> None:
     shapes = opts.shape or [(256, 4, 256, 8), (1024, 4, 512, 4)]
     device = torch.device(opts.device)
     dtype = resolve_dtype(opts.dtype, device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gpu = f" | {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    print(f"cpu flags: {cpu_flags()}{gpu} | {dtype} | {torch.get_num_threads()} threads | torch {torch.__version__}")
+    sync = synchronizer(device)
+    threads = torch.get_num_threads()
+    print(f"cpu flags: {cpu_flags()}{gpu_note(device)} | {dtype} | {threads} threads | torch {torch.__version__}")
     profiles = []
     for dim, layers, seq, batch in shapes:
         # a second shape through the same code would be compiled for dynamic shapes; a run trains on one shape

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for benchmarks.machine
 
-from benchmarks.machine import cpu_flags  # noqa: E402
+from benchmarks.machine import cpu_flags, synchronizer  # noqa: E402
 from benchmarks.train.mfu import shape_args  # noqa: E402
 from forge.metrics.memory import peak_live_tensor_bytes  # noqa: E402
 from forge.model import build_transformer  # noqa: E402
@@ -58,7 +58,7 @@ def main() -> None:
     opts = parser.parse_args()
     dim, layers, seq, micro = (int(part) for part in opts.shape.split(":"))
     device = torch.device(opts.device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     args = shape_args(dim, layers, seq, VOCAB)
     model = build_transformer(args, device)
     loss = CrossEntropyLoss()
