@@ -19,7 +19,9 @@
 # H200's dense bf16 peak; MFU of the fp8 run is against it too), SEQ (2048), MICRO (8 sequences per step),
 # RUN_TIMEOUT (420 s per run), BUDGET_S (no limit; else the script's whole time: each run is cut to what is left,
 # and one is skipped when less than RUN_TIMEOUT/2 is left), CHUNKED (0), VS_HF_SHAPES (dim:layers:seq:batch ...,
-# "256:4:2048:16 1024:4:2048:8"; empty: that table is skipped).
+# "256:4:2048:16 1024:4:2048:8"; empty: that table is skipped), SKIP (names of steps not to run, e.g.
+# "dense_bf16_compile rowwise_ce": host_syncs, dense_bf16_compile (and its prediction), vs_transformers,
+# rowwise_ce, moe_bf16, dense_fp8_compile: for a device budget that leaves time for part of the script).
 # Each run logs every 10 steps to <run dir>/metrics.jsonl; the table averages the records after the first (the
 # first interval holds compilation and warm-up). MFU = FLOPs/token (forge.metrics.flops) x tokens/s / peak; the
 # table also gives it against the bf16 matmul rate measured here first (8192^3 products on random data), which is
@@ -101,9 +103,21 @@ time_limit() {
     echo "$limit"
 }
 
+# Whether a step is wanted: not named in SKIP.
+wanted() {
+    case " ${SKIP:-} " in
+    *" $1 "*)
+        echo "=== $1: skipped (SKIP)"
+        return 1
+        ;;
+    esac
+    return 0
+}
+
 run() {
     local name=$1
     shift
+    wanted "$name" || return 0
     local args=("$@" "${COMMON[@]}" "hydra.run.dir=$OUT/$name")
     echo "=== $name: $PY -m forge.train ${args[*]}"
     if [ "$DRY_RUN" = 1 ]; then
@@ -130,7 +144,7 @@ run() {
 }
 
 failed=0
-if [ "$DRY_RUN" != 1 ]; then
+if [ "$DRY_RUN" != 1 ] && wanted host_syncs; then
     # Host syncs per step of the default model (issue 24): none between log steps, under CUDA's sync debug mode.
     echo "=== host_syncs: $PY benchmarks/train/host_syncs.py train.dtype=bf16 optimizer.fused=true"
     "$PY" benchmarks/train/host_syncs.py train.dtype=bf16 optimizer.fused=true >"$OUT/host_syncs.txt" 2>&1 || failed=1
@@ -138,11 +152,13 @@ if [ "$DRY_RUN" != 1 ]; then
 fi
 run dense_bf16_compile "${DENSE[@]}" || failed=1
 # The layout search's prediction for this run (issue 23), beside its measured step time.
-"$PY" -m benchmarks.search.predict_one_gpu "$OUT/dense_bf16_compile/metrics.jsonl" "${DENSE[@]}" "${COMMON[@]}" \
-    | tee "$OUT/search_prediction.txt" | sed 's/^/    /' || failed=1
+if [ -f "$OUT/dense_bf16_compile.exit" ] || [ "$DRY_RUN" = 1 ]; then
+    "$PY" -m benchmarks.search.predict_one_gpu "$OUT/dense_bf16_compile/metrics.jsonl" "${DENSE[@]}" "${COMMON[@]}" \
+        | tee "$OUT/search_prediction.txt" | sed 's/^/    /' || failed=1
+fi
 # forge (eager; blocks and loss compiled) against transformers (eager; whole model compiled), issue 24's table.
 read -r -a VS_HF <<<"${VS_HF_SHAPES-256:4:2048:16 1024:4:2048:8}"
-if [ "$DRY_RUN" != 1 ] && [ "${#VS_HF[@]}" -gt 0 ]; then
+if [ "$DRY_RUN" != 1 ] && [ "${#VS_HF[@]}" -gt 0 ] && wanted vs_transformers; then
     vs_args=(benchmarks/train/vs_transformers.py --device cuda --lean --steps 5 --peak-seconds 0.2 --profile 12)
     for shape in "${VS_HF[@]}"; do vs_args+=(--shape "$shape"); done
     echo "=== vs_transformers: $PY ${vs_args[*]}"
@@ -153,7 +169,7 @@ if [ "$DRY_RUN" != 1 ] && [ "${#VS_HF[@]}" -gt 0 ]; then
         echo "    skipped: $limit s of BUDGET_S left"
     fi
 fi
-if [ "$DRY_RUN" != 1 ]; then
+if [ "$DRY_RUN" != 1 ] && wanted rowwise_ce; then
     # The loss alone: torch's, forge's eager row-wise and the compiled cross-entropy, time and memory.
     ce_args=(benchmarks/train/rowwise_ce.py --device cuda --shape 32768:8192 --shape 16384:128256 --repeats 10)
     echo "=== rowwise_ce: $PY ${ce_args[*]}"

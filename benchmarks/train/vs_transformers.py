@@ -1,7 +1,7 @@
 """forge's training step against transformers' LlamaForCausalLM, eager and compiled, side by side in one run.
 
     .venv/bin/python benchmarks/train/vs_transformers.py [--shape 256:4:256:8 --shape 1024:4:512:4 --dtype auto
-        --steps 3 --no-compile --profile 15 --profile-all --lean --whole-model --device cuda]
+        --steps 3 --no-compile --profile 15 --profile-all --lean --whole-model --cuda-graphs --device cuda]
 
 A shape is dim:layers:seq:batch (heads = dim / 64, vocab 8192, SwiGLU hidden 4 x dim). For each shape, the
 contenders take AdamW steps on the same random tokens, in turns, so the machine's noise hits all alike:
@@ -87,20 +87,39 @@ def forge_step(args: TransformerArgs, tokens: torch.Tensor, dtype: str, **option
     forward as one graph), `copies` (under bf16) on one bf16 copy of the weights."""
     model = build_transformer(args, tokens.device)
     weights = ComputeWeights(model) if dtype == "bf16" and options.pop("copies", True) else None
-    how = options.pop("compile", None)  # "blocks" (parallel.compile=true) or "model" (one graph)
+    how = options.pop("compile", None)  # "blocks" (parallel.compile=true), "model" (one graph), "graphs" (CUDA)
     if how == "blocks":
         apply_compile(model)
     loss_of = options.pop("loss_of", cross_entropy)
     fused = options.pop("fused", True)
-    logits_of = torch.compile(lambda m, x: m(x)) if how == "model" else (lambda m, x: m(x))
+    logits_of = lambda m, x: m(x)  # noqa: E731
+    if how == "model":
+        logits_of = torch.compile(logits_of)
+    elif how == "graphs":  # replayed CUDA graphs (cudagraph trees): each step one new iteration of them
+        replayed = torch.compile(logits_of, mode="reduce-overhead")
+
+        def logits_of(m, x):
+            torch.compiler.cudagraph_mark_step_begin()
+            return replayed(m, x)
+
     return step_fn(model, logits_of, fused, tokens, dtype, loss_of=loss_of, weights=weights, **options)
 
 
 def contenders(
-    dim: int, layers: int, seq: int, tokens: torch.Tensor, dtype: str, compile_: bool, lean: bool, whole: bool
+    dim: int,
+    layers: int,
+    seq: int,
+    tokens: torch.Tensor,
+    dtype: str,
+    compile_: bool,
+    lean: bool,
+    whole: bool,
+    graphs: bool = False,
 ) -> dict:
     """The steps to time, by name; `lean` keeps forge eager, forge's best setting and transformers' three (no
-    ablation rows); `whole` adds forge's whole forward compiled as one graph, as transformers' is."""
+    ablation rows); `whole` adds forge's whole forward compiled as one graph, as transformers' is; `graphs` that
+    graph replayed as CUDA graphs (fp32 weights under autocast: a graph replays at fixed weight addresses, and the
+    per-step bf16 copies would move them)."""
     args = shape_args(dim, layers, seq, VOCAB)
     hf_config = LlamaConfig(
         vocab_size=VOCAB,
@@ -128,6 +147,10 @@ def contenders(
         if whole:
             runs["forge compiled as one graph, compiled loss"] = forge_step(
                 args, tokens, dtype, compile="model", loss_of=loss
+            )
+        if graphs:
+            runs["forge compiled as one graph, CUDA graphs, compiled loss"] = forge_step(
+                args, tokens, dtype, compile="graphs", loss_of=loss, copies=False
             )
         runs["transformers compiled"] = step_fn(torch.compile(hf_model()), theirs, True, tokens, dtype)
         # kept when lean: transformers' best, as forge's compiled row has its compiled loss
@@ -161,6 +184,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=15, help="ops in forge's step profile (0: none)")
     parser.add_argument("--whole-model", action="store_true", help="add forge with its whole forward compiled as "
                         "one graph (the trainer compiles each block)")  # fmt: skip
+    parser.add_argument("--cuda-graphs", action="store_true", help="add forge's whole forward compiled as one "
+                        "graph and replayed as CUDA graphs (torch.compile mode reduce-overhead; on a GPU)")  # fmt: skip
     parser.add_argument("--profile-all", action="store_true", help="profile every contender, not forge eager alone")
     parser.add_argument("--peak-seconds", type=float, default=0.5, help="length of each peak-measuring burst")
     parser.add_argument("--host-memory", choices=("glibc", "forge"), default="glibc",
@@ -180,7 +205,9 @@ def main() -> None:
         # a second shape through the same code would be compiled for dynamic shapes; a run trains on one shape
         torch._dynamo.reset()
         tokens = torch.randint(0, VOCAB, (batch, seq + 1), device=device)
-        args, runs = contenders(dim, layers, seq, tokens, dtype, opts.compile, opts.lean, opts.whole_model)
+        args, runs = contenders(
+            dim, layers, seq, tokens, dtype, opts.compile, opts.lean, opts.whole_model, opts.cuda_graphs
+        )
         for step in runs.values():
             step()  # warm-up (and compilation)
         sync()
