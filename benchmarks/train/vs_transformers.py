@@ -87,16 +87,19 @@ def forge_step(args: TransformerArgs, tokens: torch.Tensor, dtype: str, **option
     forward as one graph), `copies` (under bf16) on one bf16 copy of the weights."""
     model = build_transformer(args, tokens.device)
     weights = ComputeWeights(model) if dtype == "bf16" and options.pop("copies", True) else None
-    how = options.pop("compile", None)  # "blocks" (parallel.compile=true), "model" (one graph), "graphs" (CUDA)
-    if how == "blocks":
+    how = options.pop("compile", None)  # "blocks" (parallel.compile=true), "model" (one graph), "graphs" (CUDA),
+    if how == "blocks":  # "block graphs" (each block's graph replayed as CUDA graphs)
         apply_compile(model)
+    elif how == "block graphs":
+        for key, block in model.layers.items():
+            model.layers[key] = torch.compile(block, mode="reduce-overhead")
     loss_of = options.pop("loss_of", cross_entropy)
     fused = options.pop("fused", True)
     logits_of = lambda m, x: m(x)  # noqa: E731
     if how == "model":
         logits_of = torch.compile(logits_of)
-    elif how == "graphs":  # replayed CUDA graphs (cudagraph trees): each step one new iteration of them
-        replayed = torch.compile(logits_of, mode="reduce-overhead")
+    elif how in ("graphs", "block graphs"):  # replayed CUDA graphs (cudagraph trees): each step a new iteration
+        replayed = torch.compile(logits_of, mode="reduce-overhead") if how == "graphs" else logits_of
 
         def logits_of(m, x):
             torch.compiler.cudagraph_mark_step_begin()
@@ -117,9 +120,9 @@ def contenders(
     graphs: bool = False,
 ) -> dict:
     """The steps to time, by name; `lean` keeps forge eager, forge's best setting and transformers' three (no
-    ablation rows); `whole` adds forge's whole forward compiled as one graph, as transformers' is; `graphs` that
-    graph replayed as CUDA graphs (fp32 weights under autocast: a graph replays at fixed weight addresses, and the
-    per-step bf16 copies would move them)."""
+    ablation rows); `whole` adds forge's whole forward compiled as one graph, as transformers' is; `graphs` the
+    per-block graphs and that one graph replayed as CUDA graphs (fp32 weights under autocast: a graph replays at
+    fixed weight addresses, and the per-step bf16 copies would move them)."""
     args = shape_args(dim, layers, seq, VOCAB)
     hf_config = LlamaConfig(
         vocab_size=VOCAB,
@@ -149,6 +152,9 @@ def contenders(
                 args, tokens, dtype, compile="model", loss_of=loss
             )
         if graphs:
+            runs["forge compiled (blocks), CUDA graphs, compiled loss"] = forge_step(
+                args, tokens, dtype, compile="block graphs", loss_of=loss, copies=False
+            )
             runs["forge compiled as one graph, CUDA graphs, compiled loss"] = forge_step(
                 args, tokens, dtype, compile="graphs", loss_of=loss, copies=False
             )
@@ -184,8 +190,9 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=15, help="ops in forge's step profile (0: none)")
     parser.add_argument("--whole-model", action="store_true", help="add forge with its whole forward compiled as "
                         "one graph (the trainer compiles each block)")  # fmt: skip
-    parser.add_argument("--cuda-graphs", action="store_true", help="add forge's whole forward compiled as one "
-                        "graph and replayed as CUDA graphs (torch.compile mode reduce-overhead; on a GPU)")  # fmt: skip
+    parser.add_argument("--cuda-graphs", action="store_true", help="add forge's per-block graphs and its whole "
+                        "forward as one graph, replayed as CUDA graphs (torch.compile mode reduce-overhead; on a "
+                        "GPU)")  # fmt: skip
     parser.add_argument("--profile-all", action="store_true", help="profile every contender, not forge eager alone")
     parser.add_argument("--peak-seconds", type=float, default=0.5, help="length of each peak-measuring burst")
     parser.add_argument("--host-memory", choices=("glibc", "forge"), default="glibc",
