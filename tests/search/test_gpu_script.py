@@ -19,7 +19,7 @@ def test_the_gpu_script_composes_every_row_and_predicts_row_1(tmp_path):
     env = os.environ | {"DRY_RUN": "1", "OUT_DIR": str(tmp_path), "PYTHON": sys.executable}
     proc = subprocess.run(["bash", "benchmarks/gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("composed: exit 0") == 3, proc.stdout
+    assert proc.stdout.count("composed: exit 0") == 5, proc.stdout
     assert "search prediction (h200, one GPU):" in (tmp_path / "search_prediction.txt").read_text()
 
 

@@ -71,6 +71,11 @@ class ParallelConfig:
     compile: bool = False
     """torch.compile each block, and the training loss's cross-entropy (conf/loss cross_entropy or z_loss, when
     the logits are not split by TP; a pipeline's last stage keeps it eager)."""
+    cuda_graphs: bool = False
+    """With parallel.compile=true on one GPU: each compiled block is replayed as a CUDA graph (torch.compile's
+    reduce-overhead mode), so a small, host-bound step stops waiting on kernel launches. Dense models, one
+    process, no activation checkpointing or fp8; the bf16 weight copies are then kept at fixed addresses between
+    steps (2 + 4 bytes per parameter: the copies and the fp32 gradients)."""
     fp8: bool = False
     """Float8 training of linear layers through torchao (needs a GPU with fp8, or runs slowly on CPU)."""
     world_size: Optional[int] = None

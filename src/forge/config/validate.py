@@ -611,6 +611,27 @@ def validate_attention(cfg: DictConfig, degrees: Degrees) -> None:
     )
 
 
+def validate_cuda_graphs(cfg: DictConfig, degrees: Degrees) -> None:
+    """parallel.cuda_graphs replays the compiled blocks of a dense model in one GPU process (forge.parallel.plan
+    .apply_compile); the paths it has not run are refused."""
+    parallel = cfg.parallel
+    if not parallel.cuda_graphs:
+        return
+    device = cfg.train.device
+    on_cpu = device == "cpu" or (device == "auto" and not cuda_available())
+    refused = {
+        "parallel.compile=false (the graphs are the compiled blocks'; set parallel.compile=true)": not parallel.compile,
+        f"a world of {degrees.world_size} processes (one GPU process only)": degrees.world_size > 1,
+        f"parallel.activation_checkpoint={parallel.activation_checkpoint}": parallel.activation_checkpoint != "none",
+        "parallel.fp8=true": bool(parallel.fp8),
+        "an MoE model (its routing makes each step's shapes its own)": cfg.model.get("moe") is not None,
+        "a VLM": cfg.get("vlm") is not None,
+        f"train.device={device} (CUDA graphs need a GPU)": on_cpu,
+    }
+    for what, applies in refused.items():
+        _require(not applies, f"parallel.cuda_graphs=true with {what} is not supported")
+
+
 def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     """Check every rule; return the resolved parallel degrees. Raises ConfigError naming the keys."""
     validate_top_level(cfg)
@@ -626,6 +647,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_data(cfg.data)
     validate_model(cfg.model)
     degrees = resolve_degrees(cfg.parallel, world_size)
+    validate_cuda_graphs(cfg, degrees)  # before validate_train's device check: each refusal names its own key
     validate_train(cfg, degrees)
     validate_parallel(cfg, degrees)
     validate_context_parallel(cfg, degrees)

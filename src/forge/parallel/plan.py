@@ -65,7 +65,7 @@ def parallelize(
     if parallel_cfg.activation_checkpoint != "none":
         applied.append(apply_activation_checkpointing(model, parallel_cfg.activation_checkpoint))
     if parallel_cfg.compile:
-        applied.append(apply_compile(model))
+        applied.append(apply_compile(model, parallel_cfg.cuda_graphs))
     shard_mesh = fsdp_mesh(mesh)
     if shard_mesh is not None:
         policy = mixed_precision_policy(parallel_cfg, compute_dtype)
@@ -158,11 +158,24 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_compile(model: nn.Module) -> Applied:
-    """torch.compile each block separately: blocks are identical, so one compiled graph serves all."""
+def apply_compile(model: nn.Module, cuda_graphs: bool = False) -> Applied:
+    """torch.compile each block separately: blocks are identical, so one compiled graph serves all.
+
+    `cuda_graphs` (parallel.cuda_graphs): each block's graphs are recorded once and replayed as CUDA graphs
+    (torch.compile's reduce-overhead mode, inductor's cudagraph trees), and every forward of the whole model
+    begins a new step of them: its micro-batch's graphs may overwrite the last one's outputs, whose backward is done.
+    """
+    mode = "reduce-overhead" if cuda_graphs else None
     for key, block in model.layers.items():
-        model.layers[key] = torch.compile(block)
-    return logged(Applied("compile", f"torch.compile of {len(model.layers)} blocks"))
+        model.layers[key] = torch.compile(block, mode=mode)
+    if cuda_graphs:
+        model.register_forward_pre_hook(_begin_graph_step)
+    how = ", replayed as CUDA graphs" if cuda_graphs else ""
+    return logged(Applied("compile", f"torch.compile of {len(model.layers)} blocks{how}"))
+
+
+def _begin_graph_step(module: nn.Module, args: tuple) -> None:
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:

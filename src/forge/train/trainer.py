@@ -170,7 +170,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.parallel.fp8:
             return None
-        return compute_weights(self.model, param_dtype(cfg.parallel, self.dtype))
+        return compute_weights(self.model, param_dtype(cfg.parallel, self.dtype), fixed=cfg.parallel.cuda_graphs)
 
     def log_weight_casts(self) -> None:
         """Say how the step meets bf16: one copy of the weights, or autocast's casts held over its micro-batches."""
