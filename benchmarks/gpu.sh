@@ -23,7 +23,7 @@
 # "256:4:2048:16 1024:4:2048:8"; empty: that table is skipped), SKIP (names of steps not to run, e.g.
 # "dense_bf16_compile rowwise_ce": host_syncs, dense_bf16_compile (and its prediction), vs_transformers,
 # rowwise_ce, small_compile, small_cuda_graphs, moe_bf16, dense_fp8_compile: for a device budget that leaves time
-# for part of the script).
+# for part of the script; the multi-GPU checks run wherever there are 2 GPUs).
 # Each run logs every 10 steps to <run dir>/metrics.jsonl; the table averages the records after the first (the
 # first interval holds compilation and warm-up). MFU = FLOPs/token (forge.metrics.flops) x tokens/s / peak; the
 # table also gives it against the bf16 matmul rate measured here first (8192^3 products on random data), which is
@@ -154,7 +154,7 @@ if [ "$DRY_RUN" != 1 ] && wanted host_syncs; then
 fi
 run dense_bf16_compile "${DENSE[@]}" || failed=1
 # The layout search's prediction for this run (issue 23), beside its measured step time.
-if [ -f "$OUT/dense_bf16_compile.exit" ] || [ "$DRY_RUN" = 1 ]; then
+if [ -s "$OUT/dense_bf16_compile/metrics.jsonl" ] || [ "$DRY_RUN" = 1 ]; then
     "$PY" -m benchmarks.search.predict_one_gpu "$OUT/dense_bf16_compile/metrics.jsonl" "${DENSE[@]}" "${COMMON[@]}" \
         | tee "$OUT/search_prediction.txt" | sed 's/^/    /' || failed=1
 fi

@@ -86,20 +86,21 @@ def forge_step(args: TransformerArgs, tokens: torch.Tensor, dtype: str, **option
     """forge's one-process step: `compile` "blocks" (each block, as parallel.compile=true) or "model" (the whole
     forward as one graph), `copies` (under bf16) on one bf16 copy of the weights."""
     model = build_transformer(args, tokens.device)
-    weights = ComputeWeights(model) if dtype == "bf16" and options.pop("copies", True) else None
-    how = options.pop("compile", None)  # "blocks" (parallel.compile=true), "model" (one graph), "graphs" (CUDA),
-    if how == "blocks":  # "block graphs" (each block's graph replayed as CUDA graphs)
-        apply_compile(model)
-    elif how == "block graphs":
-        for key, block in model.layers.items():
-            model.layers[key] = torch.compile(block, mode="reduce-overhead")
+    # compile: "blocks" (parallel.compile=true), "block graphs" (+ parallel.cuda_graphs=true), "model" (the whole
+    # forward as one graph), "graphs" (that graph replayed as CUDA graphs)
+    how = options.pop("compile", None)
+    block_graphs = how == "block graphs"
+    copies = dtype == "bf16" and options.pop("copies", True)
+    weights = ComputeWeights(model, fixed=block_graphs) if copies else None  # as the trainer's
+    if how in ("blocks", "block graphs"):
+        apply_compile(model, cuda_graphs=block_graphs)
     loss_of = options.pop("loss_of", cross_entropy)
     fused = options.pop("fused", True)
     logits_of = lambda m, x: m(x)  # noqa: E731
     if how == "model":
         logits_of = torch.compile(logits_of)
-    elif how in ("graphs", "block graphs"):  # replayed CUDA graphs (cudagraph trees): each step a new iteration
-        replayed = torch.compile(logits_of, mode="reduce-overhead") if how == "graphs" else logits_of
+    elif how == "graphs":  # replayed CUDA graphs (cudagraph trees): each step a new iteration
+        replayed = torch.compile(logits_of, mode="reduce-overhead")
 
         def logits_of(m, x):
             torch.compiler.cudagraph_mark_step_begin()
@@ -121,8 +122,8 @@ def contenders(
 ) -> dict:
     """The steps to time, by name; `lean` keeps forge eager, forge's best setting and transformers' three (no
     ablation rows); `whole` adds forge's whole forward compiled as one graph, as transformers' is; `graphs` the
-    per-block graphs and that one graph replayed as CUDA graphs (fp32 weights under autocast: a graph replays at
-    fixed weight addresses, and the per-step bf16 copies would move them)."""
+    per-block graphs replayed as CUDA graphs as `parallel.cuda_graphs=true` runs them (bf16 copies at fixed
+    addresses), and that one graph replayed (fp32 weights under autocast: the per-step copies would move them)."""
     args = shape_args(dim, layers, seq, VOCAB)
     hf_config = LlamaConfig(
         vocab_size=VOCAB,
@@ -153,7 +154,7 @@ def contenders(
             )
         if graphs:
             runs["forge compiled (blocks), CUDA graphs, compiled loss"] = forge_step(
-                args, tokens, dtype, compile="block graphs", loss_of=loss, copies=False
+                args, tokens, dtype, compile="block graphs", loss_of=loss
             )
             runs["forge compiled as one graph, CUDA graphs, compiled loss"] = forge_step(
                 args, tokens, dtype, compile="graphs", loss_of=loss, copies=False

@@ -32,3 +32,14 @@ def test_the_prediction_is_set_beside_the_steps_after_the_first(tmp_path):
     line = prediction_line(ROW_1, metrics)
     assert line.startswith(alone) and "measured 0.300 s/step" in line
     assert float(line.rsplit(" ", 1)[1]) == pytest.approx(predicted / 0.3, abs=0.01)
+
+
+def test_skip_leaves_out_the_steps_it_names(tmp_path):
+    env = os.environ | {"DRY_RUN": "1", "OUT_DIR": str(tmp_path), "PYTHON": sys.executable,
+                        "SKIP": "small_compile moe_bf16"}  # fmt: skip
+    proc = subprocess.run(["bash", "benchmarks/gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("composed: exit 0") == 3, proc.stdout
+    for name in ("small_compile", "moe_bf16"):
+        assert f"=== {name}: skipped (SKIP)" in proc.stdout and not (tmp_path / f"{name}.cfg.yaml").exists()
+    assert (tmp_path / "small_cuda_graphs.cfg.yaml").exists()

@@ -74,8 +74,11 @@ class ParallelConfig:
     cuda_graphs: bool = False
     """With parallel.compile=true on one GPU: each compiled block is replayed as a CUDA graph (torch.compile's
     reduce-overhead mode), so a small, host-bound step stops waiting on kernel launches. Dense models, one
-    process, no activation checkpointing or fp8; the bf16 weight copies are then kept at fixed addresses between
-    steps (2 + 4 bytes per parameter: the copies and the fp32 gradients)."""
+    process, no activation checkpointing or fp8. Costs: the bf16 weight copies stay at fixed addresses between
+    steps (2 bytes per parameter); the graphs' memory pool keeps the activations of each recorded graph (training
+    and evaluation are recorded apart), which --plan does not count; a change of shape or of which parameters
+    train (a freeze schedule) records new graphs; inputs are copied into the graphs' buffers at each replay (a
+    dense document mask too)."""
     fp8: bool = False
     """Float8 training of linear layers through torchao (needs a GPU with fp8, or runs slowly on CPU)."""
     world_size: Optional[int] = None

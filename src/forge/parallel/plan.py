@@ -161,9 +161,10 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 def apply_compile(model: nn.Module, cuda_graphs: bool = False) -> Applied:
     """torch.compile each block separately: blocks are identical, so one compiled graph serves all.
 
-    `cuda_graphs` (parallel.cuda_graphs): each block's graphs are recorded once and replayed as CUDA graphs
-    (torch.compile's reduce-overhead mode, inductor's cudagraph trees), and every forward of the whole model
-    begins a new step of them: its micro-batch's graphs may overwrite the last one's outputs, whose backward is done.
+    `cuda_graphs` (parallel.cuda_graphs): each block's graphs are replayed as CUDA graphs (torch.compile's
+    reduce-overhead mode, inductor's cudagraph trees: after warm-up runs, recorded once per shape and mode,
+    training and evaluation apart), and every forward of the whole model begins a new step of them: its
+    micro-batch's graphs may overwrite the last one's outputs, whose backward is done.
     """
     mode = "reduce-overhead" if cuda_graphs else None
     for key, block in model.layers.items():
@@ -175,6 +176,7 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False) -> Applied:
 
 
 def _begin_graph_step(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of the whole model under parallel.cuda_graphs: a new step of the replayed graphs."""
     torch.compiler.cudagraph_mark_step_begin()
 
 

@@ -25,11 +25,10 @@ class ComputeWeights:
     them, as autocast's casts would be, plus those of the weights autocast does not cast (the embedding, the norms:
     2 bytes per parameter) and, for a moment, one parameter's low-precision gradient beside its fp32 sum.
 
-    With `fixed`, the copies and the fp32 gradients are written into the same tensors every scope (allocated in
-    the first) instead: replayed CUDA graphs (parallel.cuda_graphs) read the weights at the addresses they were
-    recorded with. The step's peak is the same; between steps they hold 2 + 4 bytes per parameter, and a gradient
-    of the last step is overwritten by the next step's first backward. (On a CPU, fresh tensors each step were as
-    fast: `make train` 0.99x with fixed ones.)
+    With `fixed`, the copies are written into the same tensors every scope (allocated in the first) instead:
+    replayed CUDA graphs (parallel.cuda_graphs) read the weights at the addresses they were recorded with. Between
+    steps they then hold 2 bytes per parameter. (On a CPU, fresh copies each step were as fast: `make train` 0.99x
+    with fixed copies and gradient sums.)
 
     Only for plain parameters (no FSDP, no DTensor): FSDP gathers its shards in parallel.param_dtype itself.
     """
@@ -39,7 +38,6 @@ class ComputeWeights:
         self.params = [p for p in model.parameters() if p.is_floating_point() and p.dtype != dtype]
         self.masters: list[torch.Tensor | None] = [None] * len(self.params)
         self.copies: list[torch.Tensor | None] = [None] * len(self.params)  # kept between scopes when fixed
-        self.grad_sums: dict[nn.Parameter, torch.Tensor] = {}  # likewise, each parameter's fp32 gradient
         self.grads: dict[nn.Parameter, torch.Tensor] = {}
         self.hooked: set[nn.Parameter] = set()
         self.active = False
@@ -83,15 +81,8 @@ class ComputeWeights:
         grad, p.grad = p.grad, None
         if p in self.grads:
             self.grads[p].add_(grad)
-            return
-        total = self.grad_sums.get(p)
-        if total is None or total.shape != grad.shape or total.device != grad.device:
-            total = grad.float()
-            if self.fixed:
-                self.grad_sums[p] = total
         else:
-            total.copy_(grad)
-        self.grads[p] = total
+            self.grads[p] = grad.float()
 
 
 def has_plain_parameters(model: nn.Module) -> bool:
