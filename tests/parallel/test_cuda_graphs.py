@@ -2,9 +2,9 @@
 
 On a CPU: the refusals (exit 2, one line), the blocks compiled in reduce-overhead mode (inductor counts the graphs
 it cannot replay on a CPU) with the step marker each forward of the whole model sets, and the bf16 weight copies at
-fixed addresses that replay needs (forge.train.compute_weights). On a GPU (skipped without one; run by hand with
-`pytest tests/parallel/test_cuda_graphs.py`, as gpu.sh's small_cuda_graphs run is the measured form): a short run
-with the graphs replayed follows the same run without them.
+fixed addresses that replay needs (forge.train.compute_weights). On a GPU (skipped without one; benchmarks/gpu.sh
+runs it as its gpu_tests step, beside the measured small_cuda_graphs run): a short run with the graphs replayed
+follows the same run without them.
 """
 
 import copy
