@@ -116,6 +116,24 @@ wanted() {
     return 0
 }
 
+# A script step (not a training run): `bounded NAME CAP FILTER CMD...` runs CMD within the budget's time limit (at
+# most CAP s) into $OUT/NAME.txt and prints the lines FILTER (an extended regex) keeps; nothing under DRY_RUN.
+bounded() {
+    local name=$1 cap=$2 filter=$3
+    shift 3
+    [ "$DRY_RUN" != 1 ] && wanted "$name" || return 0
+    echo "=== $name: $PY $*"
+    local limit
+    if ! limit=$(time_limit); then
+        echo "    skipped: $limit s of BUDGET_S left"
+        return 0
+    fi
+    local code=0
+    timeout -k 10 $((limit < cap ? limit : cap)) "$PY" "$@" >"$OUT/$name.txt" 2>&1 || code=$?
+    grep -E "$filter" "$OUT/$name.txt" | sed 's/^/    /'
+    return $code
+}
+
 run() {
     local name=$1
     shift
@@ -160,40 +178,22 @@ if [ -s "$OUT/dense_bf16_compile/metrics.jsonl" ] || [ "$DRY_RUN" = 1 ]; then
 fi
 # forge (eager; blocks and loss compiled) against transformers (eager; whole model compiled), issue 24's table.
 read -r -a VS_HF <<<"${VS_HF_SHAPES-256:4:2048:16 1024:4:2048:8}"
-if [ "$DRY_RUN" != 1 ] && [ "${#VS_HF[@]}" -gt 0 ] && wanted vs_transformers; then
+if [ "${#VS_HF[@]}" -gt 0 ]; then
     vs_args=(benchmarks/train/vs_transformers.py --device cuda --lean --steps 5 --peak-seconds 0.2 --profile 12)
     for shape in "${VS_HF[@]}"; do vs_args+=(--shape "$shape"); done
-    echo "=== vs_transformers: $PY ${vs_args[*]}"
-    if limit=$(time_limit); then
-        timeout -k 10 "$limit" "$PY" "${vs_args[@]}" >"$OUT/vs_transformers.txt" 2>&1 || failed=1
-        grep -E '^(\||dim|cpu flags)' "$OUT/vs_transformers.txt" | sed 's/^/    /'
-    else
-        echo "    skipped: $limit s of BUDGET_S left"
-    fi
+    bounded vs_transformers "${RUN_TIMEOUT:-420}" '^(\||dim|cpu flags)' "${vs_args[@]}" || failed=1
 fi
-if [ "$DRY_RUN" != 1 ] && wanted rowwise_ce; then
-    # The loss alone: torch's, forge's eager row-wise and the compiled cross-entropy, time and memory.
-    ce_args=(benchmarks/train/rowwise_ce.py --device cuda --shape 32768:8192 --shape 16384:128256 --repeats 10)
-    echo "=== rowwise_ce: $PY ${ce_args[*]}"
-    if limit=$(time_limit); then
-        timeout -k 10 $((limit < 120 ? limit : 120)) "$PY" "${ce_args[@]}" >"$OUT/rowwise_ce.txt" 2>&1 || failed=1
-        grep -E '^(\||[0-9]+ tokens)' "$OUT/rowwise_ce.txt" | sed 's/^/    /'
-    else
-        echo "    skipped: $limit s of BUDGET_S left"
-    fi
-fi
+# The loss alone: torch's, forge's eager row-wise and the compiled cross-entropy, time and memory.
+bounded rowwise_ce 120 '^(\||[0-9]+ tokens)' benchmarks/train/rowwise_ce.py --device cuda --shape 32768:8192 \
+    --shape 16384:128256 --repeats 10 || failed=1
 # The default model (dim 256, 4 layers) compiled, without and with CUDA graphs (parallel.cuda_graphs): a step the
 # host's kernel launches bound.
 SMALL=(model.max_seq_len="$SEQ" parallel.compile=true)
 run small_compile "${SMALL[@]}" || failed=1
 run small_cuda_graphs "${SMALL[@]}" parallel.cuda_graphs=true || failed=1
-if [ "$DRY_RUN" != 1 ] && wanted gpu_tests; then
-    # The suite's GPU-only tests (skipped on CPU machines, CI included): CUDA graphs follow the launched run.
-    echo "=== gpu_tests: $PY -m pytest -q -p no:cacheprovider tests/parallel/test_cuda_graphs.py -k gpu"
-    "$PY" -m pytest -q -p no:cacheprovider tests/parallel/test_cuda_graphs.py -k gpu >"$OUT/gpu_tests.txt" 2>&1 \
-        || failed=1
-    tail -n 3 "$OUT/gpu_tests.txt" | sed 's/^/    /'
-fi
+# The suite's GPU-only tests (skipped on CPU machines, CI included): CUDA graphs follow the launched run.
+bounded gpu_tests 300 '(passed|failed|error)' -m pytest -q -p no:cacheprovider tests/parallel/test_cuda_graphs.py \
+    -k gpu || failed=1
 run moe_bf16 model=deepseek_v3_small || failed=1
 if [ "$DRY_RUN" = 1 ] || "$PY" -c "import torchao" 2>/dev/null; then
     run dense_fp8_compile "${DENSE[@]}" parallel.fp8=true || failed=1

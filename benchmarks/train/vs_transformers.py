@@ -83,15 +83,14 @@ def step_fn(
 
 
 def forge_step(args: TransformerArgs, tokens: torch.Tensor, dtype: str, **options) -> Callable:
-    """forge's one-process step: `compile` "blocks" (each block, as parallel.compile=true) or "model" (the whole
-    forward as one graph), `copies` (under bf16) on one bf16 copy of the weights."""
+    """forge's one-process step: `compile` "blocks" (parallel.compile=true), "block graphs" (+ parallel.cuda_graphs
+    =true), "model" (the whole forward as one graph) or "graphs" (that graph replayed as CUDA graphs); `copies`
+    (under bf16) on one bf16 copy of the weights, as the trainer's."""
     model = build_transformer(args, tokens.device)
-    # compile: "blocks" (parallel.compile=true), "block graphs" (+ parallel.cuda_graphs=true), "model" (the whole
-    # forward as one graph), "graphs" (that graph replayed as CUDA graphs)
     how = options.pop("compile", None)
     block_graphs = how == "block graphs"
     copies = dtype == "bf16" and options.pop("copies", True)
-    weights = ComputeWeights(model, fixed=block_graphs) if copies else None  # as the trainer's
+    weights = ComputeWeights(model, fixed=block_graphs) if copies else None
     if how in ("blocks", "block graphs"):
         apply_compile(model, cuda_graphs=block_graphs)
     loss_of = options.pop("loss_of", cross_entropy)

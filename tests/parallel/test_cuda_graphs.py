@@ -1,8 +1,8 @@
 """parallel.cuda_graphs: the compiled blocks replayed as CUDA graphs in one GPU process (forge.parallel.plan).
 
 On a CPU: the refusals (exit 2, one line), the blocks compiled in reduce-overhead mode (inductor counts the graphs
-it cannot replay on a CPU) with the step marker each forward of the whole model sets, and the bf16 weight copies at
-fixed addresses that replay needs (forge.train.compute_weights). On a GPU (skipped without one; benchmarks/gpu.sh
+it cannot replay on a CPU) with the step marker each forward of the whole model sets (the bf16 weight copies at fixed
+addresses that replay needs: tests/train/test_compute_weights.py). On a GPU (skipped without one; benchmarks/gpu.sh
 runs it as its gpu_tests step, beside the measured small_cuda_graphs run): a short run with the graphs replayed
 follows the same run without them.
 """
@@ -17,8 +17,6 @@ import torch
 from forge.config import ConfigError, compose, validate
 from forge.model import TransformerArgs, build_transformer
 from forge.parallel.plan import apply_compile
-from forge.train.compute_weights import ComputeWeights
-from forge.train.losses import CrossEntropyLoss
 from tests.conftest import ROOT, forge_cmd
 from tests.tiny import TINY_MODEL
 
@@ -93,35 +91,6 @@ def test_each_forward_of_the_model_begins_one_graph_step(monkeypatch):
     assert counters["inductor"]["cudagraph_skips"] > 0
     # on a CPU the mode compiles without graphs: the same values as the eager model
     torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-4, atol=1e-5)
-
-
-def test_fixed_compute_weights_reuse_their_copies_and_stay_exact():
-    model = build_transformer(ARGS)
-    weights = ComputeWeights(model, fixed=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss = CrossEntropyLoss()
-    addresses = []
-    for seed in (1, 2):
-        tokens = torch.randint(0, ARGS.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(seed))
-        reference = copy.deepcopy(model).to(torch.bfloat16)  # this step's weights, in bf16
-        expected: dict[str, torch.Tensor] = {}
-        with weights:
-            addresses.append([p.data_ptr() for p in model.parameters()])
-            for t in tokens:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss(model, t[:, :-1], t[:, 1:], None).backward()
-        for t in tokens:
-            reference.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss(reference, t[:, :-1], t[:, 1:], None).backward()
-            for name, p in reference.named_parameters():
-                expected[name] = expected[name] + p.grad.float() if name in expected else p.grad.float()
-        for name, p in model.named_parameters():
-            assert p.dtype == torch.float32 and torch.equal(p.grad, expected[name]), (seed, name)
-        optimizer.step()  # the second step's copies must hold the updated weights
-        optimizer.zero_grad(set_to_none=True)
-    assert addresses[0] == addresses[1]  # the same copies, step after step
-    assert all(c is None for c in ComputeWeights(model).copies)  # without `fixed` nothing is kept
 
 
 GPU_RUN = [

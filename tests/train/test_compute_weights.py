@@ -36,11 +36,23 @@ def loss_of(model: torch.nn.Module, batch) -> torch.Tensor:
         return LOSS(model, batch[0], batch[1], None)
 
 
+def fp32_sums_of_bf16_gradients(model: torch.nn.Module, batches) -> dict[str, torch.Tensor]:
+    """The reference: a bf16 copy of `model` (every parameter and buffer), each batch's gradient summed in fp32."""
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    expected: dict[str, torch.Tensor] = {}
+    for batch in batches:
+        reference.zero_grad(set_to_none=True)
+        loss_of(reference, batch).backward()
+        for name, p in reference.named_parameters():
+            expected[name] = expected[name] + p.grad.float() if name in expected else p.grad.float()
+    return expected
+
+
 def test_gradients_are_the_fp32_sums_of_a_bf16_models_and_the_weights_stay_fp32():
     model = build_transformer(ARGS)
-    reference = copy.deepcopy(model).to(torch.bfloat16)  # every parameter (and buffer) in bf16
-    masters = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
     batches = micro_batches(3)
+    expected = fp32_sums_of_bf16_gradients(model, batches)
+    masters = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
 
     weights = ComputeWeights(model)
     with weights:
@@ -48,12 +60,6 @@ def test_gradients_are_the_fp32_sums_of_a_bf16_models_and_the_weights_stay_fp32(
         for batch in batches:
             loss_of(model, batch).backward()
             assert all(p.grad is None for p in model.parameters())  # each bf16 gradient was taken at once
-    expected: dict[str, torch.Tensor] = {}
-    for batch in batches:
-        reference.zero_grad(set_to_none=True)
-        loss_of(reference, batch).backward()
-        for name, p in reference.named_parameters():
-            expected[name] = expected[name] + p.grad.float() if name in expected else p.grad.float()
 
     for name, p in model.named_parameters():
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
@@ -62,6 +68,27 @@ def test_gradients_are_the_fp32_sums_of_a_bf16_models_and_the_weights_stay_fp32(
         assert torch.equal(p.grad, expected[name]), name
     # summed in bf16 instead, three micro-batches' gradients would differ from the fp32 sum
     assert any(not torch.equal(expected[n].bfloat16().float(), expected[n]) for n in expected)
+
+
+def test_fixed_copies_are_reused_step_after_step_and_stay_exact():
+    """`fixed` (parallel.cuda_graphs): the same bf16 tensors every step, each holding that step's weights."""
+    model = build_transformer(ARGS)
+    weights = ComputeWeights(model, fixed=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    addresses = []
+    for seed in (1, 2):
+        batches = micro_batches(2, seed)
+        expected = fp32_sums_of_bf16_gradients(model, batches)  # this step's weights, in bf16
+        with weights:
+            addresses.append([p.data_ptr() for p in model.parameters()])
+            for batch in batches:
+                loss_of(model, batch).backward()
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.float32 and torch.equal(p.grad, expected[name]), (seed, name)
+        optimizer.step()  # the second step's copies must hold the updated weights
+        optimizer.zero_grad(set_to_none=True)
+    assert addresses[0] == addresses[1]  # the same copies, step after step
+    assert all(c is None for c in ComputeWeights(model).copies)  # without `fixed` nothing is kept
 
 
 def test_a_gradient_from_before_the_scope_keeps_adding_up_and_a_thawed_parameter_gets_one():
