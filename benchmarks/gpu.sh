@@ -4,7 +4,8 @@
 #      predicted step time for it beside the measured one (benchmarks/search/predict_one_gpu.py)
 #   2. (run last) the same with float8 linear layers (parallel.fp8=true, needs torchao; skipped without it)
 #   3. a small DeepSeek-V3-style MoE (conf/model/deepseek_v3_small.yaml), bf16, eager; before it, the default
-#      model compiled without and with CUDA graphs (parallel.cuda_graphs), and the suite's GPU-only tests
+#      model compiled by blocks and as one graph (parallel.compile_scope), each without and with CUDA graphs
+#      (parallel.cuda_graphs), and the suite's GPU-only tests
 #   4. (CHUNKED=1) row 1 with loss=chunked_cross_entropy: the 128k-vocab logits never held at once
 #   5-8. with 2 or more GPUs: FSDP with the bf16 policy, async save on NCCL, fp8 + FSDP, a lost NCCL peer
 # First, the trainer's GPU health check (forge.resilience.health.check_device) on the GPU; CUDA or it stops; then
@@ -22,8 +23,9 @@
 # and one is skipped when less than RUN_TIMEOUT/2 is left), CHUNKED (0), VS_HF_SHAPES (dim:layers:seq:batch ...,
 # "256:4:2048:16 1024:4:2048:8"; empty: that table is skipped), SKIP (names of steps not to run, e.g.
 # "dense_bf16_compile rowwise_ce": host_syncs, dense_bf16_compile (and its prediction), vs_transformers,
-# rowwise_ce, small_compile, small_cuda_graphs, gpu_tests, moe_bf16, dense_fp8_compile: for a device budget that
-# leaves time for part of the script; the multi-GPU checks run wherever there are 2 GPUs).
+# rowwise_ce, small_compile, small_cuda_graphs, small_compile_model, small_cuda_graphs_model, gpu_tests, moe_bf16,
+# dense_fp8_compile: for a device budget that leaves time for part of the script; the multi-GPU checks run
+# wherever there are 2 GPUs).
 # Each run logs every 10 steps to <run dir>/metrics.jsonl; the table averages the records after the first (the
 # first interval holds compilation and warm-up). MFU = FLOPs/token (forge.metrics.flops) x tokens/s / peak; the
 # table also gives it against the bf16 matmul rate measured here first (8192^3 products on random data), which is
@@ -186,11 +188,13 @@ fi
 # The loss alone: torch's, forge's eager row-wise and the compiled cross-entropy, time and memory.
 bounded rowwise_ce 120 '^(\||[0-9]+ tokens)' benchmarks/train/rowwise_ce.py --device cuda --shape 32768:8192 \
     --shape 16384:128256 --repeats 10 || failed=1
-# The default model (dim 256, 4 layers) compiled, without and with CUDA graphs (parallel.cuda_graphs): a step the
-# host's kernel launches bound.
+# The default model (dim 256, 4 layers) compiled by blocks and as one graph (parallel.compile_scope=model), each
+# without and with CUDA graphs (parallel.cuda_graphs): a step the host's kernel launches bound.
 SMALL=(model.max_seq_len="$SEQ" parallel.compile=true)
 run small_compile "${SMALL[@]}" || failed=1
 run small_cuda_graphs "${SMALL[@]}" parallel.cuda_graphs=true || failed=1
+run small_compile_model "${SMALL[@]}" parallel.compile_scope=model || failed=1
+run small_cuda_graphs_model "${SMALL[@]}" parallel.compile_scope=model parallel.cuda_graphs=true || failed=1
 # The suite's GPU-only tests (skipped on CPU machines, CI included): CUDA graphs follow the launched run.
 bounded gpu_tests 300 '(passed|failed|error)' -m pytest -q -p no:cacheprovider tests/parallel/test_cuda_graphs.py \
     -k gpu || failed=1

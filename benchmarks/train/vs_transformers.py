@@ -13,6 +13,7 @@ contenders take AdamW steps on the same random tokens, in turns, so the machine'
   loss saves;
 - forge compiled: the per-block torch.compile, with the loss eager (row-wise);
 - forge compiled, compiled loss: what `parallel.compile=true` trains with (blocks and cross-entropy compiled);
+- (--whole-model) forge compiled as one graph, compiled loss: `parallel.compile_scope=model` (the whole forward);
 - transformers eager and transformers compiled (`torch.compile` of the whole HF model), with the same fused AdamW
   and torch's cross-entropy of the fp32 logits (what transformers' own loss computes); and transformers compiled
   with the same compiled cross-entropy as forge's.
@@ -84,27 +85,19 @@ def step_fn(
 
 def forge_step(args: TransformerArgs, tokens: torch.Tensor, dtype: str, **options) -> Callable:
     """forge's one-process step: `compile` "blocks" (parallel.compile=true), "block graphs" (+ parallel.cuda_graphs
-    =true), "model" (the whole forward as one graph) or "graphs" (that graph replayed as CUDA graphs); `copies`
-    (under bf16) on one bf16 copy of the weights, as the trainer's."""
+    =true), "model" (+ parallel.compile_scope=model: the whole forward as one graph) or "graphs" (+ both: that
+    graph replayed as CUDA graphs), through the trainer's apply_compile; `copies` (under bf16) on one bf16 copy of
+    the weights, as the trainer's (at fixed addresses under CUDA graphs)."""
     model = build_transformer(args, tokens.device)
     how = options.pop("compile", None)
-    block_graphs = how == "block graphs"
+    graphs = how in ("block graphs", "graphs")
     copies = dtype == "bf16" and options.pop("copies", True)
-    weights = ComputeWeights(model, fixed=block_graphs) if copies else None
-    if how in ("blocks", "block graphs"):
-        apply_compile(model, cuda_graphs=block_graphs)
+    weights = ComputeWeights(model, fixed=graphs) if copies else None
+    if how is not None:
+        apply_compile(model, cuda_graphs=graphs, scope="model" if how in ("model", "graphs") else "blocks")
     loss_of = options.pop("loss_of", cross_entropy)
     fused = options.pop("fused", True)
     logits_of = lambda m, x: m(x)  # noqa: E731
-    if how == "model":
-        logits_of = torch.compile(logits_of)
-    elif how == "graphs":  # replayed CUDA graphs (cudagraph trees): each step a new iteration
-        replayed = torch.compile(logits_of, mode="reduce-overhead")
-
-        def logits_of(m, x):
-            torch.compiler.cudagraph_mark_step_begin()
-            return replayed(m, x)
-
     return step_fn(model, logits_of, fused, tokens, dtype, loss_of=loss_of, weights=weights, **options)
 
 
@@ -120,9 +113,9 @@ def contenders(
     graphs: bool = False,
 ) -> dict:
     """The steps to time, by name; `lean` keeps forge eager, forge's best setting and transformers' three (no
-    ablation rows); `whole` adds forge's whole forward compiled as one graph, as transformers' is; `graphs` the
-    per-block graphs replayed as CUDA graphs as `parallel.cuda_graphs=true` runs them (bf16 copies at fixed
-    addresses), and that one graph replayed (fp32 weights under autocast: the per-step copies would move them)."""
+    ablation rows); `whole` adds forge's whole forward compiled as one graph, as transformers' is
+    (`parallel.compile_scope=model`); `graphs` the per-block graphs and that one graph replayed as CUDA graphs, as
+    `parallel.cuda_graphs=true` runs them (bf16 copies at fixed addresses)."""
     args = shape_args(dim, layers, seq, VOCAB)
     hf_config = LlamaConfig(
         vocab_size=VOCAB,
@@ -156,7 +149,7 @@ def contenders(
                 args, tokens, dtype, compile="block graphs", loss_of=loss
             )
             runs["forge compiled as one graph, CUDA graphs, compiled loss"] = forge_step(
-                args, tokens, dtype, compile="graphs", loss_of=loss, copies=False
+                args, tokens, dtype, compile="graphs", loss_of=loss
             )
         runs["transformers compiled"] = step_fn(torch.compile(hf_model()), theirs, True, tokens, dtype)
         # kept when lean: transformers' best, as forge's compiled row has its compiled loss
@@ -189,7 +182,7 @@ def main() -> None:
                         "ablation rows")  # fmt: skip
     parser.add_argument("--profile", type=int, default=15, help="ops in forge's step profile (0: none)")
     parser.add_argument("--whole-model", action="store_true", help="add forge with its whole forward compiled as "
-                        "one graph (the trainer compiles each block)")  # fmt: skip
+                        "one graph (parallel.compile_scope=model)")  # fmt: skip
     parser.add_argument("--cuda-graphs", action="store_true", help="add forge's per-block graphs and its whole "
                         "forward as one graph, replayed as CUDA graphs (torch.compile mode reduce-overhead; on a "
                         "GPU)")  # fmt: skip

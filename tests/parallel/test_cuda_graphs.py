@@ -1,10 +1,11 @@
-"""parallel.cuda_graphs: the compiled blocks replayed as CUDA graphs in one GPU process (forge.parallel.plan).
+"""parallel.cuda_graphs: the compiled blocks (or whole forward) replayed as CUDA graphs in one GPU process
+(forge.parallel.plan).
 
-On a CPU: the refusals (exit 2, one line), the blocks compiled in reduce-overhead mode (inductor counts the graphs
-it cannot replay on a CPU) with the step marker each forward of the whole model sets (the bf16 weight copies at fixed
-addresses that replay needs: tests/train/test_compute_weights.py). On a GPU (skipped without one; benchmarks/gpu.sh
-runs it as its gpu_tests step, beside the measured small_cuda_graphs run): a short run with the graphs replayed
-follows the same run without them.
+On a CPU: the refusals (exit 2, one line), the blocks or the whole forward compiled in reduce-overhead mode
+(inductor counts the graphs it cannot replay on a CPU) with the step marker each forward of the whole model sets
+(the bf16 weight copies at fixed addresses that replay needs: tests/train/test_compute_weights.py). On a GPU
+(skipped without one; benchmarks/gpu.sh runs it as its gpu_tests step, beside the measured small_cuda_graphs
+runs): a short run with the graphs replayed, by blocks and as one graph, follows the same run without them.
 """
 
 import copy
@@ -72,7 +73,8 @@ def test_the_command_line_refuses_in_one_line(tmp_path):
 ARGS = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=128, max_seq_len=32)
 
 
-def test_each_forward_of_the_model_begins_one_graph_step(monkeypatch):
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_each_forward_of_the_model_begins_one_graph_step(monkeypatch, scope):
     from torch._dynamo.utils import counters
 
     marks = []
@@ -80,9 +82,10 @@ def test_each_forward_of_the_model_begins_one_graph_step(monkeypatch):
     model = build_transformer(ARGS)
     reference = copy.deepcopy(model)
     counters["inductor"]["cudagraph_skips"] = 0
-    applied = apply_compile(model, cuda_graphs=True)
+    applied = apply_compile(model, cuda_graphs=True, scope=scope)
     assert "replayed as CUDA graphs" in applied.detail
-    assert all(type(block).__name__ == "OptimizedModule" for block in model.layers.values())
+    if scope == "blocks":
+        assert all(type(block).__name__ == "OptimizedModule" for block in model.layers.values())
     tokens = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     for micro_batch in range(3):  # gradient accumulation: one step of graphs per micro-batch's forward
         model(tokens).float().sum().backward()
@@ -113,10 +116,11 @@ def test_on_a_gpu_the_graphs_follow_the_run_without_them(tmp_path):
     from torch._dynamo.utils import counters
 
     plain = losses([], "plain")
-    counters["inductor"]["cudagraph_skips"] = 0
-    graphs = losses(["parallel.cuda_graphs=true"], "graphs")
-    assert counters["inductor"]["cudagraph_skips"] == 0  # every compiled graph was replayed, none fell back
-    assert graphs["steps"] == plain["steps"] == 6
-    # same seed and data; bf16 kernels may differ between a replayed and a launched graph only by rounding
-    for key in ("first_val_loss", "final_val_loss", "final_loss"):
-        assert graphs[key] == pytest.approx(plain[key], rel=2e-2), key
+    for scope in ("blocks", "model"):
+        counters["inductor"]["cudagraph_skips"] = 0
+        graphs = losses(["parallel.cuda_graphs=true", f"parallel.compile_scope={scope}"], f"graphs_{scope}")
+        assert counters["inductor"]["cudagraph_skips"] == 0, scope  # every graph was replayed, none fell back
+        assert graphs["steps"] == plain["steps"] == 6
+        # same seed and data; bf16 kernels may differ between a replayed and a launched graph only by rounding
+        for key in ("first_val_loss", "final_val_loss", "final_loss"):
+            assert graphs[key] == pytest.approx(plain[key], rel=2e-2), (scope, key)

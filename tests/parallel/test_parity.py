@@ -98,18 +98,28 @@ def test_four_rank_layout_matches_one_process(layout, four_rank_curves, referenc
     assert_same_curves(four_rank_curves[layout], reference)
 
 
+COMPILED = {  # name -> (parallel layout, compile scope, what the log says was compiled)
+    "single": ("single", "blocks", "torch.compile of 2 blocks"),
+    "fsdp": ("fsdp", "blocks", "torch.compile of 2 blocks"),
+    "single_whole_model": ("single", "model", "torch.compile of the whole forward (2 blocks) as one graph"),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["single", "fsdp"])
-def test_per_block_compile_matches_one_process(layout, tmp_path, reference):
-    """forge-train (one process) and torchrun (2 FSDP ranks) with parallel.compile=true, in processes of their
-    own: inductor's compile workers do not survive a fork, so the forked launch of the other tests cannot run it."""
-    args = [*TINY, f"parallel={layout}", "parallel.compile=true", f"hydra.run.dir={tmp_path}"]
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compiled_runs_match_one_process(name, tmp_path, reference):
+    """forge-train (one process) and torchrun (2 FSDP ranks) with parallel.compile=true, by blocks and (one
+    process) as one graph, in processes of their own: inductor's compile workers do not survive a fork, so the
+    forked launch of the other tests cannot run it."""
+    layout, scope, compiled = COMPILED[name]
+    args = [*TINY, f"parallel={layout}", "parallel.compile=true", f"parallel.compile_scope={scope}"]
+    args.append(f"hydra.run.dir={tmp_path}")
     ranks = [] if layout == "single" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd = [sys.executable, *ranks, *(["-m", "forge.train"] if ranks else forge_cmd()[1:]), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = (tmp_path / "forge.log").read_text()
-    assert "torch.compile of 2 blocks" in log and "torch.compile of the loss's cross-entropy" in log
+    assert compiled in log and "torch.compile of the loss's cross-entropy" in log
     run = curves(tmp_path)
     for key in ("loss", "grad_norm", "val_loss"):
         assert run[key] == pytest.approx(reference[key], rel=COMPILE_RTOL), key

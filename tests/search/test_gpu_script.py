@@ -19,7 +19,7 @@ def test_the_gpu_script_composes_every_row_and_predicts_row_1(tmp_path):
     env = os.environ | {"DRY_RUN": "1", "OUT_DIR": str(tmp_path), "PYTHON": sys.executable}
     proc = subprocess.run(["bash", "benchmarks/gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("composed: exit 0") == 5, proc.stdout
+    assert proc.stdout.count("composed: exit 0") == 7, proc.stdout
     assert "search prediction (h200, one GPU):" in (tmp_path / "search_prediction.txt").read_text()
 
 
@@ -39,7 +39,7 @@ def test_skip_leaves_out_the_steps_it_names(tmp_path):
                         "SKIP": "small_compile moe_bf16"}  # fmt: skip
     proc = subprocess.run(["bash", "benchmarks/gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("composed: exit 0") == 3, proc.stdout
+    assert proc.stdout.count("composed: exit 0") == 5, proc.stdout
     for name in ("small_compile", "moe_bf16"):
         assert f"=== {name}: skipped (SKIP)" in proc.stdout and not (tmp_path / f"{name}.cfg.yaml").exists()
-    assert (tmp_path / "small_cuda_graphs.cfg.yaml").exists()
+    assert (tmp_path / "small_cuda_graphs.cfg.yaml").exists() and (tmp_path / "small_compile_model.cfg.yaml").exists()

@@ -37,6 +37,13 @@ class ActivationCheckpoint(StrEnum):
     selective = "selective"
 
 
+class CompileScope(StrEnum):
+    """ParallelConfig.compile_scope's choices (forge.parallel.plan.apply_compile)."""
+
+    blocks = "blocks"
+    model = "model"
+
+
 class MixedPrecisionDtype(StrEnum):
     """The dtypes of mixed precision's parameters and gradient reductions (ParallelConfig.param_dtype and
     reduce_dtype)."""
@@ -71,14 +78,21 @@ class ParallelConfig:
     compile: bool = False
     """torch.compile each block, and the training loss's cross-entropy (conf/loss cross_entropy or z_loss, when
     the logits are not split by TP; a pipeline's last stage keeps it eager)."""
+    compile_scope: CompileScope = CompileScope.blocks
+    """What parallel.compile=true compiles: `blocks`, each block apart (one graph serves all the identical blocks:
+    the compile time of one block at any depth; composes with FSDP, TP and pipeline stages), or `model`, the whole
+    forward from the embedded tokens to the logits as one graph (no eager code or graph boundary between the
+    blocks: fewer kernel launches where a small step waits on the host; compile time grows with the depth; the
+    embedding lookup stays eager, whose gradient inductor would sum in a different order each run; one process
+    only)."""
     cuda_graphs: bool = False
-    """With parallel.compile=true on one GPU: each compiled block is replayed as a CUDA graph (torch.compile's
-    reduce-overhead mode), so a small, host-bound step stops waiting on kernel launches. Dense models, one
-    process, no activation checkpointing or fp8. Costs: the bf16 weight copies stay at fixed addresses between
-    steps (2 bytes per parameter); the graphs' memory pool keeps the activations of each recorded graph (training
-    and evaluation are recorded apart), which --plan does not count; a change of shape or of which parameters
-    train (a freeze schedule) records new graphs; inputs are copied into the graphs' buffers at each replay (a
-    dense document mask too)."""
+    """With parallel.compile=true on one GPU: each compiled block (with compile_scope=model, the whole forward)
+    is replayed as a CUDA graph (torch.compile's reduce-overhead mode), so a small, host-bound step stops waiting
+    on kernel launches. Dense models, one process, no activation checkpointing or fp8. Costs: the bf16 weight
+    copies stay at fixed addresses between steps (2 bytes per parameter); the graphs' memory pool keeps the
+    activations of each recorded graph (training and evaluation are recorded apart), which --plan does not
+    count; a change of shape or of which parameters train (a freeze schedule) records new graphs; inputs are
+    copied into the graphs' buffers at each replay (a dense document mask too)."""
     fp8: bool = False
     """Float8 training of linear layers through torchao (needs a GPU with fp8, or runs slowly on CPU)."""
     world_size: Optional[int] = None

@@ -611,6 +611,23 @@ def validate_attention(cfg: DictConfig, degrees: Degrees) -> None:
     )
 
 
+def validate_compile_scope(cfg: DictConfig, degrees: Degrees) -> None:
+    """parallel.compile_scope=model compiles the whole forward of one process's model (forge.parallel.plan
+    .apply_compile): FSDP's per-block gathers, tensor-parallel DTensors and pipeline stages split it."""
+    parallel = cfg.parallel
+    if parallel.compile_scope != "model":
+        return
+    _require(
+        parallel.compile,
+        "parallel.compile_scope=model needs parallel.compile=true (the scope says what the compile covers)",
+    )
+    _require(
+        degrees.world_size == 1,
+        f"parallel.compile_scope=model with a world of {degrees.world_size} processes is not supported (one "
+        "process only); use parallel.compile_scope=blocks",
+    )
+
+
 def validate_cuda_graphs(cfg: DictConfig, degrees: Degrees) -> None:
     """parallel.cuda_graphs replays the compiled blocks of a dense model in one GPU process (forge.parallel.plan
     .apply_compile); the paths it has not run are refused."""
@@ -647,6 +664,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_data(cfg.data)
     validate_model(cfg.model)
     degrees = resolve_degrees(cfg.parallel, world_size)
+    validate_compile_scope(cfg, degrees)
     validate_cuda_graphs(cfg, degrees)  # before validate_train's device check: each refusal names its own key
     validate_train(cfg, degrees)
     validate_parallel(cfg, degrees)

@@ -9,6 +9,7 @@ wrap whole blocks, and FSDP wraps last so its hooks run outside the checkpointed
 """
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -65,7 +66,7 @@ def parallelize(
     if parallel_cfg.activation_checkpoint != "none":
         applied.append(apply_activation_checkpointing(model, parallel_cfg.activation_checkpoint))
     if parallel_cfg.compile:
-        applied.append(apply_compile(model, parallel_cfg.cuda_graphs))
+        applied.append(apply_compile(model, parallel_cfg.cuda_graphs, parallel_cfg.compile_scope))
     shard_mesh = fsdp_mesh(mesh)
     if shard_mesh is not None:
         policy = mixed_precision_policy(parallel_cfg, compute_dtype)
@@ -158,21 +159,40 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_compile(model: nn.Module, cuda_graphs: bool = False) -> Applied:
-    """torch.compile each block separately: blocks are identical, so one compiled graph serves all.
+def apply_compile(model: nn.Module, cuda_graphs: bool = False, scope: str = "blocks") -> Applied:
+    """torch.compile the model's blocks or its whole forward (parallel.compile_scope).
 
-    `cuda_graphs` (parallel.cuda_graphs): each block's graphs are replayed as CUDA graphs (torch.compile's
+    `blocks`: each block separately; blocks are identical, so one compiled graph serves all. `model`: the model's
+    class is swapped for a subclass whose forward is compiled (as activation checkpointing swaps a VLM's, so a
+    deepcopy still runs its own weights): one graph from the embedded tokens to the logits. The token embedding
+    stays eager: inductor's embedding backward adds the rows of repeated tokens with atomic adds, in a different
+    order each run; torch's own kernel sums them in one.
+
+    `cuda_graphs` (parallel.cuda_graphs): the compiled graphs are replayed as CUDA graphs (torch.compile's
     reduce-overhead mode, inductor's cudagraph trees: after warm-up runs, recorded once per shape and mode,
     training and evaluation apart), and every forward of the whole model begins a new step of them: its
     micro-batch's graphs may overwrite the last one's outputs, whose backward is done.
     """
     mode = "reduce-overhead" if cuda_graphs else None
-    for key, block in model.layers.items():
-        model.layers[key] = torch.compile(block, mode=mode)
+    if scope == "model":
+        swap_forward(model, "Compiled", torch.compile(type(model).forward, mode=mode))
+        if model.tok_embeddings is not None:
+            swap_forward(model.tok_embeddings, "Eager", torch.compiler.disable(type(model.tok_embeddings).forward))
+        what = f"torch.compile of the whole forward ({len(model.layers)} blocks) as one graph"
+    else:
+        for key, block in model.layers.items():
+            model.layers[key] = torch.compile(block, mode=mode)
+        what = f"torch.compile of {len(model.layers)} blocks"
     if cuda_graphs:
         model.register_forward_pre_hook(_begin_graph_step)
     how = ", replayed as CUDA graphs" if cuda_graphs else ""
-    return logged(Applied("compile", f"torch.compile of {len(model.layers)} blocks{how}"))
+    return logged(Applied("compile", what + how))
+
+
+def swap_forward(module: nn.Module, prefix: str, forward: Callable) -> None:
+    """Give `module` a subclass of its class whose forward is `forward` (a function of the module)."""
+    cls = type(module)
+    module.__class__ = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
 
 
 def _begin_graph_step(module: nn.Module, args: tuple) -> None:
