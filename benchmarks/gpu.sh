@@ -193,11 +193,12 @@ bounded rowwise_ce 120 '^(\||[0-9]+ tokens)' benchmarks/train/rowwise_ce.py --de
 SMALL=(model.max_seq_len="$SEQ" parallel.compile=true)
 run small_compile "${SMALL[@]}" || failed=1
 run small_cuda_graphs "${SMALL[@]}" parallel.cuda_graphs=true || failed=1
-run small_compile_model "${SMALL[@]}" parallel.compile_scope=model || failed=1
-run small_cuda_graphs_model "${SMALL[@]}" parallel.compile_scope=model parallel.cuda_graphs=true || failed=1
-# The suite's GPU-only tests (skipped on CPU machines, CI included): CUDA graphs follow the launched run.
+# The suite's GPU-only tests (skipped on CPU machines, CI included): CUDA graphs, by blocks and as one graph,
+# follow the launched run. Before the one-graph runs, so that a short budget keeps the correctness check.
 bounded gpu_tests 300 '(passed|failed|error)' -m pytest -q -p no:cacheprovider tests/parallel/test_cuda_graphs.py \
     -k gpu || failed=1
+run small_compile_model "${SMALL[@]}" parallel.compile_scope=model || failed=1
+run small_cuda_graphs_model "${SMALL[@]}" parallel.compile_scope=model parallel.cuda_graphs=true || failed=1
 run moe_bf16 model=deepseek_v3_small || failed=1
 if [ "$DRY_RUN" = 1 ] || "$PY" -c "import torchao" 2>/dev/null; then
     run dense_fp8_compile "${DENSE[@]}" parallel.fp8=true || failed=1

@@ -73,6 +73,13 @@ def test_the_command_line_refuses_in_one_line(tmp_path):
 ARGS = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=128, max_seq_len=32)
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test's compiles from scratch: dynamo keeps at most 8 entries per code object (Transformer.forward's,
+    shared by every model this process compiles) and runs past them eagerly, without failing."""
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("scope", ["blocks", "model"])
 def test_each_forward_of_the_model_begins_one_graph_step(monkeypatch, scope):
     from torch._dynamo.utils import counters
@@ -111,6 +118,8 @@ def test_on_a_gpu_the_graphs_follow_the_run_without_them(tmp_path):
         trainer = Trainer(compose([*GPU_RUN, *extra]), tmp_path / name)
         summary = trainer.fit()
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+        whole = "parallel.compile_scope=model" in extra
+        assert type(trainer.model).__name__.startswith("Compiled") == whole, type(trainer.model)
         return summary
 
     from torch._dynamo.utils import counters
@@ -118,7 +127,9 @@ def test_on_a_gpu_the_graphs_follow_the_run_without_them(tmp_path):
     plain = losses([], "plain")
     for scope in ("blocks", "model"):
         counters["inductor"]["cudagraph_skips"] = 0
+        graphs_before = counters["stats"]["unique_graphs"]
         graphs = losses(["parallel.cuda_graphs=true", f"parallel.compile_scope={scope}"], f"graphs_{scope}")
+        assert counters["stats"]["unique_graphs"] > graphs_before, scope  # this run compiled graphs of its own
         assert counters["inductor"]["cudagraph_skips"] == 0, scope  # every graph was replayed, none fell back
         assert graphs["steps"] == plain["steps"] == 6
         # same seed and data; bf16 kernels may differ between a replayed and a launched graph only by rounding

@@ -76,17 +76,18 @@ class ParallelConfig:
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     """Activation checkpointing: none, full (every block) or selective (keeps matmul outputs)."""
     compile: bool = False
-    """torch.compile each block, and the training loss's cross-entropy (conf/loss cross_entropy or z_loss, when
-    the logits are not split by TP; a pipeline's last stage keeps it eager)."""
+    """torch.compile each block (or the whole forward: compile_scope), and the training loss's cross-entropy
+    (conf/loss cross_entropy or z_loss, when the logits are not split by TP; a pipeline's last stage keeps it
+    eager)."""
     compile_scope: CompileScope = CompileScope.blocks
     """What parallel.compile=true compiles: `blocks`, each block apart (one graph serves all the identical blocks:
     the compile time of one block at any depth; composes with FSDP, TP and pipeline stages), or `model`, the whole
     forward from the embedded tokens to the logits as one graph (no eager code or graph boundary between the
     blocks: fewer kernel launches where a small step waits on the host; compile time grows with the depth; the
-    embedding lookup stays eager, whose gradient inductor would sum in a different order each run; one process
-    only)."""
+    embedding lookup stays eager, whose gradient inductor would sum in a different order each run; one process,
+    no fp8 or flex attention)."""
     cuda_graphs: bool = False
-    """With parallel.compile=true on one GPU: each compiled block (with compile_scope=model, the whole forward)
+    """With parallel.compile=true on one GPU: each compiled block (with compile_scope=model, the compiled forward)
     is replayed as a CUDA graph (torch.compile's reduce-overhead mode), so a small, host-bound step stops waiting
     on kernel launches. Dense models, one process, no activation checkpointing or fp8. Costs: the bf16 weight
     copies stay at fixed addresses between steps (2 bytes per parameter); the graphs' memory pool keeps the

@@ -613,7 +613,8 @@ def validate_attention(cfg: DictConfig, degrees: Degrees) -> None:
 
 def validate_compile_scope(cfg: DictConfig, degrees: Degrees) -> None:
     """parallel.compile_scope=model compiles the whole forward of one process's model (forge.parallel.plan
-    .apply_compile): FSDP's per-block gathers, tensor-parallel DTensors and pipeline stages split it."""
+    .apply_compile): FSDP's per-block gathers, tensor-parallel DTensors and pipeline stages split it; the paths
+    it has not run (fp8, flex attention) are refused."""
     parallel = cfg.parallel
     if parallel.compile_scope != "model":
         return
@@ -621,11 +622,17 @@ def validate_compile_scope(cfg: DictConfig, degrees: Degrees) -> None:
         parallel.compile,
         "parallel.compile_scope=model needs parallel.compile=true (the scope says what the compile covers)",
     )
-    _require(
-        degrees.world_size == 1,
-        f"parallel.compile_scope=model with a world of {degrees.world_size} processes is not supported (one "
-        "process only); use parallel.compile_scope=blocks",
-    )
+    refused = {
+        f"a world of {degrees.world_size} processes (one process only)": degrees.world_size > 1,
+        "parallel.fp8=true": bool(parallel.fp8),
+        # flex's own compiled kernel (dynamic=False) would be traced into the outer graph
+        "model.attention=flex": cfg.model.get("attention") == "flex",
+    }
+    for what, applies in refused.items():
+        _require(
+            not applies,
+            f"parallel.compile_scope=model with {what} is not supported; use parallel.compile_scope=blocks",
+        )
 
 
 def validate_cuda_graphs(cfg: DictConfig, degrees: Degrees) -> None:
@@ -637,7 +644,7 @@ def validate_cuda_graphs(cfg: DictConfig, degrees: Degrees) -> None:
     device = cfg.train.device
     on_cpu = device == "cpu" or (device == "auto" and not cuda_available())
     refused = {
-        "parallel.compile=false (the graphs are the compiled blocks'; set parallel.compile=true)": not parallel.compile,
+        "parallel.compile=false (the graphs are the compiled code's; set parallel.compile=true)": not parallel.compile,
         f"a world of {degrees.world_size} processes (one GPU process only)": degrees.world_size > 1,
         f"parallel.activation_checkpoint={parallel.activation_checkpoint}": parallel.activation_checkpoint != "none",
         "parallel.fp8=true": bool(parallel.fp8),

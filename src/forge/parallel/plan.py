@@ -1,15 +1,15 @@
 """The parallel plan: one function applies every transform to the meta-device model, in this order.
 
 tensor parallel -> context parallel -> expert parallel -> global-batch router loads -> float8 -> activation
-checkpointing -> per-block compile -> FSDP2. It returns what it applied, one record (forge.parallel.applied) per
-transform.
+checkpointing -> compile (per block, or on one process the whole forward) -> FSDP2. It returns what it applied,
+one record (forge.parallel.applied) per transform.
 
 TP must come first because FSDP shards the DTensors TP produced (2-D parameters); checkpointing and compile
-wrap whole blocks, and FSDP wraps last so its hooks run outside the checkpointed and compiled regions.
+wrap whole blocks (or compile the whole forward around them), and FSDP wraps last so its hooks run outside the
+checkpointed and compiled regions.
 """
 
 import functools
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from forge.config.degrees import Degrees
-from forge.config.schema import ActivationCheckpoint
+from forge.config.schema import ActivationCheckpoint, CompileScope
 from forge.model.moe import moe_layers
 from forge.parallel.applied import Applied, logged
 from forge.parallel.context_parallel import apply_context_parallel
@@ -159,7 +159,7 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_compile(model: nn.Module, cuda_graphs: bool = False, scope: str = "blocks") -> Applied:
+def apply_compile(model: nn.Module, cuda_graphs: bool = False, scope: str = CompileScope.blocks) -> Applied:
     """torch.compile the model's blocks or its whole forward (parallel.compile_scope).
 
     `blocks`: each block separately; blocks are identical, so one compiled graph serves all. `model`: the model's
@@ -174,10 +174,10 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False, scope: str = "blo
     micro-batch's graphs may overwrite the last one's outputs, whose backward is done.
     """
     mode = "reduce-overhead" if cuda_graphs else None
-    if scope == "model":
-        swap_forward(model, "Compiled", torch.compile(type(model).forward, mode=mode))
+    if CompileScope(scope) == CompileScope.model:
+        model.__class__ = compiled_class(type(model), mode)
         if model.tok_embeddings is not None:
-            swap_forward(model.tok_embeddings, "Eager", torch.compiler.disable(type(model.tok_embeddings).forward))
+            model.tok_embeddings.__class__ = eager_class(type(model.tok_embeddings))
         what = f"torch.compile of the whole forward ({len(model.layers)} blocks) as one graph"
     else:
         for key, block in model.layers.items():
@@ -189,10 +189,18 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False, scope: str = "blo
     return logged(Applied("compile", what + how))
 
 
-def swap_forward(module: nn.Module, prefix: str, forward: Callable) -> None:
-    """Give `module` a subclass of its class whose forward is `forward` (a function of the module)."""
-    cls = type(module)
-    module.__class__ = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
+# One subclass per class (and mode), not per model: dynamo guards on the type of the compiled forward's `self`, so
+# a class per instance would compile each model anew and, past torch's recompile limit (8), silently run eager.
+@functools.cache
+def compiled_class(cls: type, mode: str | None) -> type:
+    """`cls` with its forward compiled (parallel.compile_scope=model)."""
+    return type(f"Compiled{cls.__name__}", (cls,), {"forward": torch.compile(cls.forward, mode=mode)})
+
+
+@functools.cache
+def eager_class(cls: type) -> type:
+    """`cls` with its forward kept out of an enclosing compiled graph."""
+    return type(f"Eager{cls.__name__}", (cls,), {"forward": torch.compiler.disable(cls.forward)})
 
 
 def _begin_graph_step(module: nn.Module, args: tuple) -> None:
