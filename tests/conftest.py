@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +26,14 @@ def corpus():
 def forge_cmd(*args: str) -> list[str]:
     """The forge-train command line, run with this interpreter."""
     return [sys.executable, "-m", "forge.train", *args]
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    """The one line a refused command printed, after checking it exited 2 with that line alone, no traceback."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return lines[0]
 
 
 SLURM_MODULES = {

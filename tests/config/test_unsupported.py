@@ -10,7 +10,7 @@ import pytest
 
 from forge.config import ConfigError, compose, validate
 from forge.config.validate import UNSUPPORTED
-from tests.conftest import ROOT, forge_cmd
+from tests.conftest import ROOT, forge_cmd, one_line
 
 CASES = {  # name -> (overrides, world size)
     "tp+moe": (["parallel=tp2", "model=moe_tiny"], 2),
@@ -19,13 +19,6 @@ CASES = {  # name -> (overrides, world size)
     "pp+document_masking": (["parallel=pp2", "data.document_masking=true"], 2),
     "tp+mla": (["parallel=tp2", "model.attention_kind=mla"], 2),
 }
-
-
-def one_line(proc: subprocess.CompletedProcess) -> str:
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Traceback" not in proc.stdout + proc.stderr
-    return lines[0]
 
 
 def test_every_table_entry_has_a_case_and_is_documented():

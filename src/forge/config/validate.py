@@ -24,6 +24,12 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _refuse_each(refused: dict[str, bool], message: str) -> None:
+    """Refuse the first combination in `refused` ({what: applies}) that applies: `message` with it as {what}."""
+    for what, applies in refused.items():
+        _require(not applies, message.format(what=what))
+
+
 def cuda_available() -> bool:
     import torch  # here, not at the top: most configs are checked (and most errors refused) without torch
 
@@ -554,12 +560,11 @@ def validate_context_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         "an MoE model (model.moe is set)": cfg.model.get("moe") is not None,
         "parallel.compile=true": bool(cfg.parallel.compile),
     }
-    for what, applies in refused.items():
-        _require(
-            not applies,
-            f"parallel.cp={cp} with {what} is not supported yet (context parallelism covers dense models, any dp, "
-            "fsdp and tp; use parallel.cp=1)",
-        )
+    _refuse_each(
+        refused,
+        f"parallel.cp={cp} with {{what}} is not supported yet (context parallelism covers dense models, any dp, "
+        "fsdp and tp; use parallel.cp=1)",
+    )
 
 
 def validate_loss(cfg: DictConfig, degrees: Degrees) -> None:
@@ -628,11 +633,9 @@ def validate_compile_scope(cfg: DictConfig, degrees: Degrees) -> None:
         # flex's own compiled kernel (dynamic=False) would be traced into the outer graph
         "model.attention=flex": cfg.model.get("attention") == "flex",
     }
-    for what, applies in refused.items():
-        _require(
-            not applies,
-            f"parallel.compile_scope=model with {what} is not supported; use parallel.compile_scope=blocks",
-        )
+    _refuse_each(
+        refused, "parallel.compile_scope=model with {what} is not supported; use parallel.compile_scope=blocks"
+    )
 
 
 def validate_cuda_graphs(cfg: DictConfig, degrees: Degrees) -> None:
@@ -652,8 +655,7 @@ def validate_cuda_graphs(cfg: DictConfig, degrees: Degrees) -> None:
         "a VLM": cfg.get("vlm") is not None,
         f"train.device={device} (CUDA graphs need a GPU)": on_cpu,
     }
-    for what, applies in refused.items():
-        _require(not applies, f"parallel.cuda_graphs=true with {what} is not supported")
+    _refuse_each(refused, "parallel.cuda_graphs=true with {what} is not supported")
 
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
