@@ -93,7 +93,7 @@ def test_a_sweep_with_a_bad_point_runs_none_of_its_points(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("forge-train: invalid sweep: sweep point optimizer.lr=-1 "), lines
-    assert "must be positive" in lines[0]
+    assert "optimizer.lr=-1.0 must be > 0" in lines[0]
     assert not list((tmp_path / "sweep").glob("*/metrics.jsonl"))  # not even the good first point ran
 
 
@@ -111,7 +111,7 @@ def test_plan_refuses_a_world_size_of_zero(tmp_path):
     result = run_cli(tmp_path, "--plan", "parallel.world_size=0")
     assert result.returncode == 2, result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "parallel.world_size=0 must be at least 1" in lines[0], lines
+    assert len(lines) == 1 and "parallel.world_size=0 must be >= 1" in lines[0], lines
     assert "Traceback" not in result.stderr and "plan for" not in result.stdout
 
 

@@ -6,6 +6,7 @@ import inspect
 import textwrap
 
 from forge.config import schema
+from forge.domain import domain_of
 
 _GROUP_SCHEMAS = {
     "model": schema.ModelConfig,
@@ -44,10 +45,18 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def field_domains(cls: type) -> dict[str, str]:
+    """The declared domain of each field of a dataclass, in words ({field: "> 0"}; fields without one left out)."""
+    domains = {f.name: domain_of(f) for f in dataclasses.fields(cls)}
+    return {name: domain.describe() for name, domain in domains.items() if domain is not None and domain.describe()}
+
+
 def field_help() -> str:
-    """One line per documented field, grouped by config group."""
+    """One line per documented field, grouped by config group, with its domain: `train.grad_clip [>= 0]: ...`."""
     lines = []
     for group, cls in _GROUP_SCHEMAS.items():
+        domains = field_domains(cls)
         for name, doc in field_docs(cls).items():
-            lines.append(f"  {group}.{name}: {doc}")
+            shown = f" [{domains[name]}]" if name in domains else ""
+            lines.append(f"  {group}.{name}{shown}: {doc}")
     return "\n".join(lines)

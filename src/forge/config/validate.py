@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 from omegaconf import DictConfig, OmegaConf
 
 from forge.config.degrees import Degrees, resolve_degrees
+from forge.config.domains import validate_domains
 from forge.config.errors import ConfigError
 from forge.config.interpolations import validate_interpolations
 from forge.config.schema import (
@@ -14,9 +13,8 @@ from forge.config.schema import (
     MemmapDataConfig,
     VLMDataConfig,
 )
+from forge.domain import INT64_MAX
 from forge.parallel.env import read_dist_env
-from forge.resilience.signals import CATCHABLE_SIGNALS
-from forge.train.host_malloc import MAX_THRESHOLD_MIB
 
 
 def _require(ok: bool, message: str) -> None:
@@ -56,6 +54,27 @@ def config_groups() -> tuple[str, ...]:
     return tuple(next(iter(entry)) for entry in defaults if isinstance(entry, dict))
 
 
+OPTIONAL_GROUPS = ("loss", "vlm", "search")
+"""Config groups a run may leave out (`~loss`: plain cross-entropy; vlm and search are off unless named)."""
+
+
+def null_group_refusal(overrides: list[str]) -> str | None:
+    """The line refusing `train=null` (any config group set to null), which Hydra fails on with a traceback ("Config
+    group override must be a string or a list"); None when no override does that."""
+    from forge.config.paths import conf_dir
+
+    groups = config_groups()
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        if key not in groups or value.strip().lower() not in ("null", "none"):
+            continue
+        if key in OPTIONAL_GROUPS:
+            return f"{override}: a config group takes an option's name; to leave {key} out, write ~{key}"
+        names = sorted(path.stem for path in (conf_dir() / key).glob("*.yaml"))
+        return f"{override}: the config group {key} is required; name one of its options ({', '.join(names)})"
+    return None
+
+
 def validate_top_level(cfg: DictConfig) -> None:
     """A key Hydra appended (`+train_steps=5`, `+experiment=x` without such a group) would be silently ignored."""
     known = config_groups()
@@ -85,41 +104,40 @@ def validate_known_keys(node: DictConfig, prefix: str) -> None:
 
 
 def validate_model(model: DictConfig) -> None:
+    """Rules between the model's fields (each field's own range is its domain, forge.config.domains)."""
     dim, heads, kv = model.dim, model.n_heads, model.n_kv_heads or model.n_heads
-    for key in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
-        _require(model[key] > 0, f"model.{key}={model[key]} must be positive")
     head_dim = model.get("head_dim")
     if head_dim is None:
         _require(dim % heads == 0, f"model.dim={dim} is not divisible by model.n_heads={heads}")
         _require((dim // heads) % 2 == 0, f"model.dim / model.n_heads = {dim // heads} must be even for RoPE")
     else:
-        _require(head_dim > 0 and head_dim % 2 == 0, f"model.head_dim={head_dim} must be positive and even for RoPE")
-    _require(kv > 0 and heads % kv == 0, f"model.n_heads={heads} is not divisible by model.n_kv_heads={kv}")
+        _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
+    _require(heads % kv == 0, f"model.n_heads={heads} is not divisible by model.n_kv_heads={kv}")
+    scaling = model.get("rope_scaling")
+    if scaling is not None:
+        _require(
+            scaling.low_freq_factor < scaling.high_freq_factor,
+            f"model.rope_scaling.low_freq_factor={scaling.low_freq_factor} must be below "
+            f"model.rope_scaling.high_freq_factor={scaling.high_freq_factor} (the band between them is blended)",
+        )
     validate_mla(model)
+    validate_tensor_sizes(model)
     moe = model.get("moe")
     if moe is not None:
-        _require(moe.num_experts > 0, f"model.moe.num_experts={moe.num_experts} must be positive")
         _require(
-            0 < moe.top_k <= moe.num_experts,
+            moe.top_k <= moe.num_experts,
             f"model.moe.top_k={moe.top_k} must be in 1..model.moe.num_experts={moe.num_experts}",
         )
-        _require(moe.every >= 1, f"model.moe.every={moe.every} must be at least 1")
         _require(
-            0 <= moe.first_dense < model.n_layers,
+            moe.first_dense < model.n_layers,
             f"model.moe.first_dense={moe.first_dense} must be in 0..model.n_layers - 1 ({model.n_layers - 1})",
-        )
-        _require(
-            math.isfinite(moe.route_scale) and moe.route_scale > 0,
-            f"model.moe.route_scale={moe.route_scale} must be positive",
         )
         groups, kept = moe.expert_groups, moe.groups_per_token
         _require(
-            groups >= 1 and moe.num_experts % groups == 0,
+            moe.num_experts % groups == 0,
             f"model.moe.expert_groups={groups} must divide model.moe.num_experts={moe.num_experts}",
         )
-        _require(
-            1 <= kept <= groups, f"model.moe.groups_per_token={kept} must be in 1..model.moe.expert_groups={groups}"
-        )
+        _require(kept <= groups, f"model.moe.groups_per_token={kept} must be in 1..model.moe.expert_groups={groups}")
         if groups > 1:
             per_group = moe.num_experts // groups
             _require(per_group >= 2, f"model.moe.expert_groups={groups} leaves fewer than 2 experts per group")
@@ -128,7 +146,40 @@ def validate_model(model: DictConfig) -> None:
                 f"model.moe.top_k={moe.top_k} is more than the {kept * per_group} experts of "
                 f"model.moe.groups_per_token={kept} groups",
             )
-        _require(moe.capacity_factor >= 0, f"model.moe.capacity_factor={moe.capacity_factor} must be >= 0")
+
+
+def largest_tensors(model: DictConfig) -> dict[str, int]:
+    """The elements of the model's largest weights and its rotary table, from its widths alone (no tensor is made):
+    {what: elements}."""
+    from forge.model.args import TransformerArgs
+
+    args = TransformerArgs(
+        **{k: v for k, v in OmegaConf.to_container(model, resolve=True).items() if not k.startswith("_")}
+    )
+    sizes = {
+        "the embedding (model.vocab_size x model.dim)": args.vocab_size * args.dim,
+        "a feed-forward weight (model.dim x its hidden size)": args.dim * args.hidden_dim,
+        "an attention projection (model.dim x the heads x their width)": args.dim * args.n_heads * args.head_size,
+        "the rotary table (model.max_seq_len x the rotary width)": args.max_seq_len * args.rope_dim,
+    }
+    if args.moe is not None:
+        expert = args.moe.expert_ffn_dim or args.hidden_dim
+        sizes["an expert weight (model.moe.num_experts x model.dim x its hidden size)"] = (
+            args.moe.num_experts * args.dim * expert
+        )
+    return sizes
+
+
+def validate_tensor_sizes(model: DictConfig) -> None:
+    """A weight too large for a tensor's byte count (an int64) would fail deep in torch ("Storage size calculation
+    overflowed"), even on the meta device: refused by its widths. Whether the model fits the device is the run's
+    check (forge.train.fits_device), not --plan's."""
+    for what, elements in largest_tensors(model).items():
+        _require(
+            4 * elements <= INT64_MAX,
+            f"{what} would hold {elements:.3g} elements, more than a tensor's byte count can hold (2^63 bytes in "
+            f"fp32): make the model smaller (model.dim={model.dim}, model.vocab_size={model.vocab_size})",
+        )
 
 
 def validate_mla(model: DictConfig) -> None:
@@ -138,9 +189,6 @@ def validate_mla(model: DictConfig) -> None:
     if kind != "mla":
         return
     mla = model.mla
-    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        _require(mla[key] > 0, f"model.mla.{key}={mla[key]} must be positive")
-    _require(mla.q_lora_rank >= 0, f"model.mla.q_lora_rank={mla.q_lora_rank} must be >= 0 (0: a full wq)")
     _require(mla.qk_rope_head_dim % 2 == 0, f"model.mla.qk_rope_head_dim={mla.qk_rope_head_dim} must be even for RoPE")
     _require(
         not model.qk_norm,
@@ -149,33 +197,15 @@ def validate_mla(model: DictConfig) -> None:
 
 
 def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
-    from forge.checkpoint.layout import MAX_STEP
-
     train = cfg.train
     if train.device == "cuda":
         _require(cuda_available(), "train.device=cuda but no CUDA device is available")
-    for key in ("steps", "seq_len", "global_batch_size", "log_every", "eval_batches"):
-        _require(train[key] > 0, f"train.{key}={train[key]} must be positive")
-    _require(
-        train.steps <= MAX_STEP,
-        f"train.steps={train.steps} is more than {MAX_STEP:,}, the last step a checkpoint folder name "
-        "(step-NNNNNNNN) holds",
-    )
-    _require(train.threads >= 0, f"train.threads={train.threads} must be >= 0 (0 keeps torch's default)")
-    _require(
-        train.cpu_mmap_threshold_mib is None or 0 <= train.cpu_mmap_threshold_mib <= MAX_THRESHOLD_MIB,
-        f"train.cpu_mmap_threshold_mib={train.cpu_mmap_threshold_mib} must be within 0..{MAX_THRESHOLD_MIB} (glibc's "
-        "largest; 0 keeps its adaptive threshold)",
-    )
     fill_micro_batch(train, degrees.dp)
-    _require(train.eval_every >= 0, f"train.eval_every={train.eval_every} must be >= 0")
     _require(
         train.seq_len <= cfg.model.max_seq_len,
         f"train.seq_len={train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}",
     )
-    _require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be positive")
     warmup = cfg.scheduler.get("warmup_steps", 0)
-    _require(warmup >= 0, f"scheduler.warmup_steps={warmup} must be >= 0")
     _require(warmup <= train.steps, f"scheduler.warmup_steps={warmup} is longer than train.steps={train.steps}")
     _require(
         cfg.model.vocab_size >= cfg.data.vocab_size,
@@ -189,7 +219,6 @@ def fill_micro_batch(train: DictConfig, dp: int) -> None:
     train.max_micro_batch_size (the rest is gradient accumulation). A given value is only checked."""
     batch, micro, cap = train.global_batch_size, train.micro_batch_size, train.get("max_micro_batch_size")
     if micro is not None:
-        _require(micro > 0, f"train.micro_batch_size={micro} must be positive")
         _require(
             batch % (micro * dp) == 0,
             f"train.global_batch_size={batch} is not divisible by train.micro_batch_size={micro} x data-parallel "
@@ -202,7 +231,6 @@ def fill_micro_batch(train: DictConfig, dp: int) -> None:
     )
     per_rank = batch // dp
     if cap is not None:
-        _require(cap > 0, f"train.max_micro_batch_size={cap} must be positive")
         per_rank = max(d for d in range(1, min(cap, per_rank) + 1) if (batch // dp) % d == 0)
     train.micro_batch_size = per_rank
 
@@ -259,12 +287,6 @@ def unsupported_keys(name: str, cfg: DictConfig, degrees: Degrees) -> str:
 def validate_combinations(cfg: DictConfig, degrees: Degrees) -> None:
     for name, applies, why in UNSUPPORTED:
         _require(not applies(cfg, degrees), f"{unsupported_keys(name, cfg, degrees)} is not supported: {why}")
-
-
-def validate_world_size(parallel: DictConfig) -> None:
-    """parallel.world_size=0 would read as unset (the environment's world size) in `validate` and `--plan`."""
-    size = parallel.world_size
-    _require(size is None or size >= 1, f"parallel.world_size={size} must be at least 1 (null: from the environment)")
 
 
 def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
@@ -361,12 +383,9 @@ def validate_data(data: DictConfig) -> None:
     """Values a corpus would trip over (a modulo by zero, a tokenizer that cannot have the size asked for)."""
     from forge.data.tokenizer import MIN_BPE_VOCAB
 
-    if "val_every" in data:
-        _require(data.val_every >= 1, f"data.val_every={data.val_every} must be at least 1 (every n-th is held out)")
     vocab, tokenizer = data.get("vocab_size"), data.get("tokenizer")
     if vocab is None:
         return
-    _require(vocab >= 1, f"data.vocab_size={vocab} must be positive")
     if tokenizer in BYTE_BPE_TOKENIZERS:
         _require(
             vocab >= MIN_BPE_VOCAB,
@@ -398,29 +417,6 @@ def _missing(node, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".")] if node == "???" else []
 
 
-def validate_optimizer_and_schedule(cfg: DictConfig) -> None:
-    """Values torch would refuse only once the optimizer is built (or, for the schedule, never)."""
-    opt, sched = cfg.optimizer, cfg.scheduler
-    if "weight_decay" in opt:
-        _require(opt.weight_decay >= 0, f"optimizer.weight_decay={opt.weight_decay} must be >= 0")
-    if "eps" in opt:
-        _require(opt.eps > 0, f"optimizer.eps={opt.eps} must be positive")
-    if "betas" in opt:
-        betas = list(opt.betas)
-        _require(
-            len(betas) == 2 and all(0 <= b < 1 for b in betas),
-            f"optimizer.betas={betas} must be two numbers in [0, 1)",
-        )
-    if "momentum" in opt:
-        _require(0 <= opt.momentum < 1, f"optimizer.momentum={opt.momentum} must be in [0, 1)")
-    if "min_lr_ratio" in sched:
-        ratio = sched.min_lr_ratio
-        _require(0 <= ratio <= 1, f"scheduler.min_lr_ratio={ratio} must be in [0, 1] (a fraction of optimizer.lr)")
-    if "decay_fraction" in sched:
-        fraction = sched.decay_fraction
-        _require(0 < fraction <= 1, f"scheduler.decay_fraction={fraction} must be in (0, 1]")
-
-
 TRACKER_KEYWORDS = ("run_dir", "run_id", "config", "project", "run_name")
 """What build_trackers passes every tracker besides its own options (forge.metrics.trackers.base.Tracker)."""
 
@@ -450,11 +446,8 @@ def validate_metrics(cfg: DictConfig) -> None:
 
 def validate_checkpoint(cfg: DictConfig) -> None:
     ckpt = cfg.checkpoint
-    _require(ckpt.run_lock_timeout_s >= 0, f"checkpoint.run_lock_timeout_s={ckpt.run_lock_timeout_s} must be >= 0")
-    _require(ckpt.interval >= 0, f"checkpoint.interval={ckpt.interval} must be >= 0")
-    _require(ckpt.keep_last_n >= 1, f"checkpoint.keep_last_n={ckpt.keep_last_n} must be at least 1")
     steps = cfg.train.steps
-    outside = [m for m in ckpt.milestones if not 1 <= m <= steps]
+    outside = [m for m in ckpt.milestones if m > steps]
     _require(
         not outside,
         f"checkpoint.milestones has {', '.join(map(str, outside))}, outside the run's steps 1..train.steps={steps} "
@@ -493,22 +486,23 @@ def validate_warm_start_source(source: str) -> None:
 
 def validate_resilience(cfg: DictConfig) -> None:
     res = cfg.resilience
-    for name in res.preemption_signals:
-        _require(name in CATCHABLE_SIGNALS, f"resilience.preemption_signals has {name!r}")
     if res.nonfinite_policy == "rollback":
         _require(
             cfg.checkpoint.interval > 0,
             "resilience.nonfinite_policy=rollback needs periodic checkpoints (checkpoint.interval > 0)",
         )
-    for key in ("collective_timeout_s", "liveness_timeout_s"):
-        _require(res[key] > 0, f"resilience.{key}={res[key]} must be positive")
-    _require(res.liveness_every_steps >= 0, f"resilience.liveness_every_steps={res.liveness_every_steps} must be >= 0")
+    metrics = cfg.metrics
+    _require(
+        metrics.profile_start_step == 0 or metrics.profile_end_step >= metrics.profile_start_step,
+        f"metrics.profile_end_step={metrics.profile_end_step} is before metrics.profile_start_step="
+        f"{metrics.profile_start_step} (the profiled steps run from the start to the end, inclusive)",
+    )
 
 
 def validate_fault_injection(cfg: DictConfig, world_size: int) -> None:
     rank = cfg.resilience.inject_stall_rank
     _require(
-        rank is None or 0 <= rank < world_size,
+        rank is None or rank < world_size,
         f"resilience.inject_stall_rank={rank} is not a rank of the world size {world_size}",
     )
 
@@ -537,10 +531,9 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
     from forge.model.vlm.connector import POOLING_CONNECTORS
 
     if vlm.connector in POOLING_CONNECTORS:
-        tokens = vlm.connector_tokens
-        _require(tokens is not None and tokens >= 1, f"vlm.connector={vlm.connector} needs vlm.connector_tokens >= 1")
+        _require(vlm.connector_tokens is not None, f"vlm.connector={vlm.connector} needs vlm.connector_tokens >= 1")
     _require(
-        cfg.data.max_frames >= cfg.data.min_frames >= 1,
+        cfg.data.max_frames >= cfg.data.min_frames,
         f"data.max_frames={cfg.data.max_frames} >= data.min_frames={cfg.data.min_frames} >= 1 must hold",
     )
 
@@ -573,8 +566,6 @@ def validate_loss(cfg: DictConfig, degrees: Degrees) -> None:
     if loss is None:
         return
     chunked = "chunk_size" in loss
-    if chunked:
-        _require(loss.chunk_size >= 1, f"loss.chunk_size={loss.chunk_size} must be positive")
     if not chunked and not loss.get("z_loss_weight"):
         return
     what = "loss=chunked_cross_entropy" if chunked else f"loss.z_loss_weight={loss.z_loss_weight}"
@@ -665,11 +656,11 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
         if isinstance(cfg._get_node(group), DictConfig) and cfg[group] is not None:
             validate_known_keys(cfg[group], f"{group}.")
     validate_interpolations(cfg)
-    validate_world_size(cfg.parallel)
     if world_size is None:
         world_size = cfg.parallel.world_size or read_dist_env().world_size
     fill_vocab_from_data_meta(cfg.data)
     validate_required(cfg)
+    validate_domains(cfg)  # each field's own range, before the rules between fields
     validate_data(cfg.data)
     validate_model(cfg.model)
     degrees = resolve_degrees(cfg.parallel, world_size)
@@ -679,7 +670,6 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_parallel(cfg, degrees)
     validate_context_parallel(cfg, degrees)
     validate_combinations(cfg, degrees)
-    validate_optimizer_and_schedule(cfg)
     validate_metrics(cfg)
     validate_checkpoint(cfg)
     validate_resilience(cfg)

@@ -4,18 +4,20 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
 
+from forge.domain import domain
+
 
 @dataclass
 class RopeScalingArgs:
     """Llama-3 style frequency-dependent RoPE scaling for long context."""
 
-    factor: float = 8.0
+    factor: float = domain(8.0, gt=0)
     """How much longer the target context is than the original one."""
-    low_freq_factor: float = 1.0
+    low_freq_factor: float = domain(1.0, gt=0)
     """Wavelengths longer than original_max_seq_len / low_freq_factor are divided by `factor`."""
-    high_freq_factor: float = 4.0
+    high_freq_factor: float = domain(4.0, gt=0)
     """Wavelengths shorter than original_max_seq_len / high_freq_factor are kept."""
-    original_max_seq_len: int = 8192
+    original_max_seq_len: int = domain(8192, ge=1)
     """Context length the base model was trained with."""
 
 
@@ -38,37 +40,37 @@ class AuxLossScope(StrEnum):
 class MoEArgs:
     """Routed mixture-of-experts replacing the dense MLP in every `every`-th block."""
 
-    num_experts: int = 8
+    num_experts: int = domain(8, ge=1)
     """Routed experts per MoE layer."""
-    top_k: int = 2
+    top_k: int = domain(2, ge=1)
     """Experts each token is sent to."""
-    num_shared_experts: int = 0
+    num_shared_experts: int = domain(0, ge=0)
     """Always-active experts added to the routed output."""
-    expert_ffn_dim: int = 0
+    expert_ffn_dim: int = domain(0, ge=0, means="0: the dense ffn size")
     """Hidden size of one expert; 0 uses the dense ffn size (smaller values give fine-grained experts)."""
-    every: int = 1
+    every: int = domain(1, ge=1)
     """An MoE layer in every k-th block (block i is MoE when (i + 1) % every == 0)."""
-    first_dense: int = 0
+    first_dense: int = domain(0, ge=0)
     """Blocks below this index keep the dense MLP whatever `every` says (DeepSeek-V3's first_k_dense_replace)."""
-    expert_groups: int = 1
+    expert_groups: int = domain(1, ge=1)
     """Experts split into this many equal groups for group-limited routing (DeepSeek-V3's n_group, 8); a group
     scores the sum of its two best selection scores."""
-    groups_per_token: int = 1
+    groups_per_token: int = domain(1, ge=1)
     """Groups a token may choose its experts from, the best-scoring ones (DeepSeek-V3's topk_group, 4); with
     expert_groups=1 every expert is a candidate."""
-    route_scale: float = 1.0
+    route_scale: float = domain(1.0, gt=0)
     """Factor on the k combine weights after they are renormalised (DeepSeek-V3's routed_scaling_factor, 2.5)."""
-    capacity_factor: float = 0.0
+    capacity_factor: float = domain(0.0, ge=0, means="0: dropless")
     """Tokens per expert allowed as a multiple of the even share; 0 is dropless."""
     router: RouterKind = RouterKind.softmax_topk
     """Router kind: softmax_topk (aux-loss balanced) or sigmoid_topk (aux-loss-free bias balancing)."""
-    aux_loss_coef: float = 0.01
+    aux_loss_coef: float = domain(0.01, ge=0)
     """Weight of the Switch-style load-balancing loss (softmax router). The loss scores 1 for a perfectly even
     router (E * sum f_i P_i with f over the k assignments); HF Mixtral / GShard's scores top_k, so their
     coefficient c corresponds to c x top_k here."""
-    z_loss_coef: float = 0.001
+    z_loss_coef: float = domain(0.001, ge=0)
     """Weight of the router z-loss."""
-    bias_update_rate: float = 0.001
+    bias_update_rate: float = domain(0.001, ge=0)
     """Step size of the per-expert bias update (sigmoid router): bias += rate * sign(mean load - load) per step."""
     aux_loss_scope: AuxLossScope = AuxLossScope.micro_batch
     """Tokens the load-balancing loss averages over: micro_batch (Switch, each rank's micro-batch), sequence
@@ -106,15 +108,15 @@ class MLAArgs:
     """Multi-head latent attention (DeepSeek-V2 / V3; forge.model.latent_attention), used under attention_kind=mla.
     The defaults are DeepSeek-V3's."""
 
-    q_lora_rank: int = 1536
+    q_lora_rank: int = domain(1536, ge=0, means="0: one full wq")
     """Rank of the query's low-rank pair (wq_a, normed, then wq_b); 0 projects queries with one full wq."""
-    kv_lora_rank: int = 512
+    kv_lora_rank: int = domain(512, ge=1)
     """Width of the per-token latent that keys and values are expanded from."""
-    qk_nope_head_dim: int = 128
+    qk_nope_head_dim: int = domain(128, ge=1)
     """Per head: the query / key width without RoPE."""
-    qk_rope_head_dim: int = 64
+    qk_rope_head_dim: int = domain(64, ge=2)
     """Per head: the query's rotary width; the rotary key of this width is shared by all heads."""
-    v_head_dim: int = 128
+    v_head_dim: int = domain(128, ge=1)
     """Per head: the value width (wo maps n_heads x v_head_dim back to dim)."""
 
 
@@ -122,38 +124,38 @@ class MLAArgs:
 class TransformerArgs:
     """Shape and initialisation of a Llama-style decoder."""
 
-    dim: int = 256
+    dim: int = domain(256, ge=1)
     """Width of the residual stream."""
-    n_layers: int = 4
+    n_layers: int = domain(4, ge=1)
     """Number of transformer blocks."""
-    n_heads: int = 8
+    n_heads: int = domain(8, ge=1)
     """Query heads; dim must be divisible by n_heads unless head_dim is set."""
-    n_kv_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = domain(None, ge=1)
     """Key/value heads (None = n_heads: MHA; 1: MQA; otherwise GQA). Must divide n_heads."""
-    head_dim: Optional[int] = None
+    head_dim: Optional[int] = domain(None, ge=2)
     """Width of one attention head; None = dim // n_heads. Qwen3 sets it apart from the width (0.6B: dim 1024, 16
     heads of 128), so q/k/v project to n_heads x head_dim and wo back to dim."""
-    vocab_size: int = 8192
+    vocab_size: int = domain(8192, ge=1)
     """Rows of the embedding and the output head."""
-    ffn_dim: Optional[int] = None
+    ffn_dim: Optional[int] = domain(None, ge=1)
     """Explicit SwiGLU hidden size; None derives it from dim, ffn_dim_multiplier and multiple_of."""
-    ffn_dim_multiplier: Optional[float] = None
+    ffn_dim_multiplier: Optional[float] = domain(None, gt=0)
     """Scales the derived hidden size (Llama 3 uses 1.3 for 8B)."""
-    multiple_of: int = 256
+    multiple_of: int = domain(256, ge=1)
     """The derived hidden size is rounded up to a multiple of this."""
-    norm_eps: float = 1e-5
+    norm_eps: float = domain(1e-5, gt=0)
     """Epsilon of RMSNorm."""
-    rope_theta: float = 10000.0
+    rope_theta: float = domain(10000.0, gt=0)
     """Base of the rotary frequencies."""
     rope_scaling: Optional[RopeScalingArgs] = None
     """None, or Llama-3 style scaling of the rotary frequencies."""
-    max_seq_len: int = 2048
+    max_seq_len: int = domain(2048, ge=1)
     """Longest sequence the rotary tables cover."""
     qk_norm: bool = False
     """RMSNorm on queries and keys per head before RoPE."""
     tie_embeddings: bool = False
     """Share the output head's weight with the token embedding."""
-    init_std: float = 0.02
+    init_std: float = domain(0.02, gt=0)
     """Std of the normal init of linear and embedding weights."""
     depth_init: bool = True
     """Scale the std of output projections (wo, w2) by 1/sqrt(2 * n_layers)."""
@@ -169,7 +171,7 @@ class TransformerArgs:
     widths of `mla` (DeepSeek-V2 / V3; n_kv_heads and head_dim then do not apply)."""
     mla: MLAArgs = field(default_factory=MLAArgs)
     """Widths of multi-head latent attention, read under attention_kind=mla."""
-    sliding_window: Any = None
+    sliding_window: Any = domain(None)
     """None: full causal attention. An int w: each query attends to at most w keys, itself and the w - 1 before it
     (Mistral). A list is cycled over the layers, layer i taking entry i % len, null meaning full: [4096, null]
     alternates sliding and full layers (gpt-oss, Gemma 2), five 1024s and a null is Gemma 3's 5:1."""

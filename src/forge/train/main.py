@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from forge.config import ConfigError, conf_dir, register_schemas, validate
 from forge.config.errors import composition_message
 from forge.config.help import field_help
+from forge.config.validate import null_group_refusal
 from forge.data.sources import DataError
 from forge.quick_exit import command
 from forge.train.plan_flags import has_plan_flags
@@ -48,6 +49,14 @@ def prepare_host(cfg: DictConfig) -> None:
         line = prepare_cpu_process(cfg.train, dist_env.world_size)
         if dist_env.rank == 0:
             log.info("%s", line)
+
+
+def check_model_fits(cfg: DictConfig, degrees) -> None:
+    """A model too large for this run's devices is refused with its estimate (forge.train.fits_device)."""
+    from forge.train.build import resolve_device
+    from forge.train.fits_device import check_fits_device
+
+    check_fits_device(cfg, degrees, resolve_device(cfg.train.device))
 
 
 def fit_defaults_to_run(cfg: DictConfig) -> None:
@@ -93,7 +102,8 @@ def _task(cfg: DictConfig) -> None:
 
             print_plan(cfg)
             return
-        validate(cfg)  # again in the trainer; here a config error is refused before the trainer's heavy imports
+        degrees = validate(cfg)  # again in the trainer; here a config error is refused before its heavy imports
+        check_model_fits(cfg, degrees)
         summary = run(cfg)
     except ConfigError as err:
         print(f"forge-train: invalid config: {err}", file=sys.stderr)
@@ -157,6 +167,10 @@ def main() -> None:
     sys.argv[:] = [a for a in sys.argv if a != "--calibrate"]
     if CALIBRATE and PLAN_ONLY:
         print("forge-train: --calibrate measures this machine; run it without --plan", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    refusal = null_group_refusal(sys.argv[1:])
+    if refusal:
+        print(f"forge-train: invalid config: {refusal}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     register_schemas()
     if not OmegaConf.has_resolver("forge_field_help"):
