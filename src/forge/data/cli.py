@@ -7,7 +7,8 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
-from forge.config import conf_dir, register_schemas
+from forge.config import ConfigError, conf_dir, register_schemas
+from forge.config.domains import validate_domains
 from forge.data.sources import DataError
 from forge.quick_exit import command
 
@@ -16,9 +17,19 @@ log = logging.getLogger("forge")
 EXIT_DATA_ERROR = 2
 
 
+def validate_prepare(cfg: DictConfig) -> None:
+    """Each field of conf/prepare.yaml inside its declared domain (forge.domain); raises ConfigError naming it."""
+    validate_domains(cfg)
+
+
 def _task(cfg: DictConfig) -> None:
     from forge.data.prepare import prepare
 
+    try:
+        validate_prepare(cfg)
+    except ConfigError as err:
+        print(f"forge-prepare-data: invalid config: {err}", file=sys.stderr)
+        sys.exit(EXIT_DATA_ERROR)
     try:
         meta, reused = prepare(cfg)
     except (DataError, FileNotFoundError, MissingMandatoryValue) as err:

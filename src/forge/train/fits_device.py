@@ -47,4 +47,3 @@ def check_fits_device(cfg: DictConfig, degrees: Degrees, device: torch.device) -
             f"model.n_layers={cfg.model.n_layers}) or shard it over more ranks (forge-train --plan estimates a "
             "layout's peak)"
         )
-
