@@ -63,7 +63,7 @@ EXPECT = {
         "metrics:",
         "llama_tiny",
         "tp2_fsdp",
-        "train.steps: Optimizer steps.",
+        "train.steps [in [1, 99999999] (a checkpoint folder name, step-NNNNNNNN, holds 8 digits)]: Optimizer steps.",
     ),
     "forge-train --cfg job model=moe parallel=tp4_fsdp": ("num_experts: 8", "tp: 4"),
     "python -c": "torch.Size([1, 3, ",

@@ -118,3 +118,21 @@ def domain(default: Any, **rules: Any) -> Any:
 def domain_of(field: dataclasses.Field) -> Domain | None:
     """The Domain a field declares, or None."""
     return field.metadata.get("domain")
+
+
+def out_of_domain(instance: Any, prefix: str = "") -> str | None:
+    """The first field of a dataclass instance (and of the dataclasses it holds) outside its declared domain, as
+    `key=value why`; None when every value is inside. For arguments built from a file (an HF config.json) rather
+    than a composed config."""
+    for field in dataclasses.fields(instance):
+        value = getattr(instance, field.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fault = out_of_domain(value, f"{prefix}{field.name}.")
+            if fault:
+                return fault
+            continue
+        domain = domain_of(field)
+        why = domain.reason(value) if domain is not None else None
+        if why:
+            return f"{prefix}{field.name}={value!r} {why}"
+    return None

@@ -329,6 +329,7 @@ def cli_refusals(tmp_path) -> dict[str, list[str]]:
         "hydra.run.dir=<under a file>": [f"hydra.run.dir={afile}/run"],
         "hydra.run.dir=<unwritable>": [f"hydra.run.dir={unwritable}"],
         "train.seed=-1 (CLI)": ["train.seed=-1"],
+        "train.global_batch_size=2**30": [f"train.global_batch_size={2**30}"],
     }
 
 
@@ -356,3 +357,4 @@ def test_the_cli_refuses_in_one_line(tmp_path):
     assert "Not a directory" in lines["hydra.run.dir=<under a file>"]
     assert "cannot be written" in lines["hydra.run.dir=<unwritable>"]
     assert "train.seed=-1 must be >= 0" in lines["train.seed=-1 (CLI)"]
+    assert "each block's input kept for the backward" in lines["train.global_batch_size=2**30"]

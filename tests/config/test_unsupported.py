@@ -13,7 +13,7 @@ from forge.config.validate import UNSUPPORTED
 from tests.conftest import ROOT, forge_cmd, one_line
 
 CASES = {  # name -> (overrides, world size)
-    "tp+moe": (["parallel=tp2", "model=moe_tiny"], 2),
+    "tp+moe+compile": (["parallel=tp2", "model=moe_tiny", "parallel.compile=true"], 2),
     "tp+pp": (["parallel=pp2", "parallel.tp=2"], 4),
     "fp8+tp": (["parallel=tp2", "parallel.fp8=true"], 2),
     "pp+document_masking": (["parallel=pp2", "data.document_masking=true"], 2),

@@ -190,6 +190,13 @@ def test_eval_refuses_zero_sizes_and_a_seq_len_beyond_the_model(run_dir, capsys)
     assert "data.vocab_size is not set and cannot be read from data.path=/nope" in err and "Traceback" not in err
 
 
+NEGATIVE_EPS = {
+    "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300,
+    "intermediate_size": 128, "rms_norm_eps": -1.0,
+}  # fmt: skip
+"""An HF config.json whose values parse but fall outside their fields' domains (forge.domain)."""
+
+
 @pytest.mark.parametrize(
     ("make_source", "message"),
     [
@@ -197,6 +204,7 @@ def test_eval_refuses_zero_sizes_and_a_seq_len_beyond_the_model(run_dir, capsys)
         (lambda d: (d / "hf/config.json").write_text('{"model_type": "llama",\n'), "config.json:2: not valid JSON"),
         (lambda d: (d / "hf/config.json").write_text('{"model_type": "llama"}'), "lacks 'num_attention_heads'"),
         (lambda d: (d / "hf/config.json").write_text("[1, 2]"), "is not a Llama or Mixtral config"),
+        (lambda d: (d / "hf/config.json").write_text(json.dumps(NEGATIVE_EPS)), "gives model.norm_eps=-1.0 must be"),
     ],
 )
 def test_garbage_weights_or_hf_config_is_one_line_naming_the_file(tmp_path, capsys, make_source, message):

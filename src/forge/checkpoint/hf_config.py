@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from forge.checkpoint.errors import CheckpointError
+from forge.domain import out_of_domain
 from forge.model.args import MLAArgs, MoEArgs, RopeScalingArgs, TransformerArgs
 
 
@@ -347,8 +348,12 @@ def read_hf_config(config_file: Path) -> TransformerArgs:
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file} is not a Llama or Mixtral config, nor a Qwen3 one (a JSON object)")
     try:
-        return hf_config_to_args(config)
+        args = hf_config_to_args(config)
     except KeyError as err:
         raise CheckpointError(f"{config_file} lacks {err.args[0]!r}, which a {kinds} config has") from None
     except (TypeError, ValueError, ZeroDivisionError) as err:
         raise CheckpointError(f"{config_file} is not a usable {kinds} config ({err})") from None
+    fault = out_of_domain(args, "model.")
+    if fault:
+        raise CheckpointError(f"{config_file} is not a usable {kinds} config: it gives {fault}")
+    return args

@@ -14,6 +14,7 @@ from forge.config.schema import (
     VLMDataConfig,
 )
 from forge.domain import INT64_MAX
+from forge.model.args import TransformerArgs
 from forge.parallel.env import read_dist_env
 
 
@@ -148,14 +149,15 @@ def validate_model(model: DictConfig) -> None:
             )
 
 
+def plain_args(model: DictConfig) -> TransformerArgs:
+    """The model's arguments as the dataclass the model is built from (its derived widths: hidden_dim, head_size)."""
+    return TransformerArgs(**{k: v for k, v in OmegaConf.to_container(model, resolve=True).items() if k[0] != "_"})
+
+
 def largest_tensors(model: DictConfig) -> dict[str, int]:
     """The elements of the model's largest weights and its rotary table, from its widths alone (no tensor is made):
     {what: elements}."""
-    from forge.model.args import TransformerArgs
-
-    args = TransformerArgs(
-        **{k: v for k, v in OmegaConf.to_container(model, resolve=True).items() if not k.startswith("_")}
-    )
+    args = plain_args(model)
     sizes = {
         "the embedding (model.vocab_size x model.dim)": args.vocab_size * args.dim,
         "a feed-forward weight (model.dim x its hidden size)": args.dim * args.hidden_dim,
@@ -256,8 +258,8 @@ def fit_warmup_to_run(cfg: DictConfig, explicit_keys: frozenset[str]) -> str | N
 
 UNSUPPORTED = (
     # (name, applies to (cfg, degrees), why and what to use instead); docs/status.md lists every name
-    ("tp+moe", lambda c, d: d.tp > 1 and c.model.get("moe") is not None,
-     "MoE feed-forward layers are not tensor-parallel; split the experts with parallel.ep instead (parallel.tp=1)"),
+    ("tp+moe+compile", lambda c, d: d.tp > 1 and c.model.get("moe") is not None and c.parallel.compile,
+     "torch.compile fails on the tensor-parallel MoE layer's DTensor hooks in torch 2.13; use parallel.compile=false"),
     ("tp+pp", lambda c, d: d.tp > 1 and d.pp > 1, "pipeline stages are not tensor-parallel yet; use one of the two"),
     ("fp8+tp", lambda c, d: c.parallel.fp8 and d.tp > 1,
      "float8 needs float8 tensor-parallel styles, which are not implemented; use parallel.tp=1 with fp8"),
@@ -280,6 +282,7 @@ def unsupported_keys(name: str, cfg: DictConfig, degrees: Degrees) -> str:
         "fp8": "parallel.fp8=true",
         "document_masking": "data.document_masking=true",
         "mla": "model.attention_kind=mla",
+        "compile": "parallel.compile=true",
     }
     return " with ".join(values[part] for part in name.split("+"))
 
@@ -297,6 +300,8 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         f"model.n_heads={model.n_heads} and model.n_kv_heads={kv} must be divisible by parallel.tp={degrees.tp}",
     )
     moe = model.get("moe")
+    if moe is not None and degrees.tp > 1:
+        validate_moe_tensor_parallel(model, degrees.tp)
     if degrees.ep > 1:
         _require(
             moe is not None,
@@ -354,6 +359,23 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
             f"parallel.fp8=true needs a GPU with float8 (compute capability >= 8.9), got "
             f"{torch.cuda.get_device_name()}",
         )
+
+
+def validate_moe_tensor_parallel(model: DictConfig, tp: int) -> None:
+    """Under tensor parallelism each expert's hidden width is split over the tp ranks (forge.parallel
+    .expert_tensor): it must split evenly, and the grouped GEMMs' bf16 strides need a multiple of 8 per rank."""
+    args = plain_args(model)
+    width = args.moe.expert_ffn_dim or args.hidden_dim
+    _require(
+        width % tp == 0,
+        f"the experts' hidden width {width} (model.moe.expert_ffn_dim, or the dense one) is not divisible by "
+        f"parallel.tp={tp}: each tp rank holds an equal part of it",
+    )
+    _require(
+        not args.moe.grouped_mm or (width // tp) % 8 == 0,
+        f"model.moe.grouped_mm=true with parallel.tp={tp} leaves each rank {width // tp} of each expert's hidden "
+        "width: grouped GEMMs need a multiple of 8 (or model.moe.grouped_mm=false)",
+    )
 
 
 def fill_vocab_from_data_meta(data: DictConfig) -> None:

@@ -1,4 +1,5 @@
-"""The tensor-parallel plan of the Llama decoder: Megatron-style column/row splits with sequence parallel norms."""
+"""The tensor-parallel plan of the Llama decoder: Megatron-style column/row splits with sequence parallel norms; MoE
+feed-forward layers split each expert's hidden width (forge.parallel.expert_tensor)."""
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -11,8 +12,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from forge.model.feed_forward import FeedForward
+from forge.model.moe import MoE
 from forge.model.transformer import Transformer
 from forge.parallel.applied import Applied, logged
+from forge.parallel.expert_tensor import apply_moe_tensor_parallel
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
@@ -62,9 +65,12 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
                 "feed_forward.w3": ColwiseParallel(),
                 "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             }
-        else:
-            raise NotImplementedError("tensor parallelism of MoE feed-forward layers is not implemented yet")
         parallelize_module(block, tp_mesh, plan)
+        if isinstance(block.feed_forward, MoE):
+            apply_moe_tensor_parallel(block.feed_forward, tp_mesh)
     detail = f"tensor parallel over {tp_mesh.size()} ranks: embedding, {len(model.layers)} blocks, norm, output "
     detail += "(logits split over the vocabulary)"
+    moe_blocks = sum(isinstance(block.feed_forward, MoE) for block in model.layers.values())
+    if moe_blocks:
+        detail += f"; {moe_blocks} MoE layers: experts' hidden widths split, router replicated"
     return logged(Applied("tp", detail, {"tp": tp_mesh.size()}))

@@ -37,13 +37,24 @@ def check_fits_device(cfg: DictConfig, degrees: Degrees, device: torch.device) -
 
     params = sum(p.numel() for p in build_meta_model(cfg).parameters())
     shards = max(degrees.world_size // degrees.dp_replicate, 1)
-    need = STATE_BYTES_PER_PARAM * params / shards
+    weights = STATE_BYTES_PER_PARAM * params / shards
+    activations = block_inputs_bytes(cfg, degrees)
     have, what = device_memory_bytes(device)
-    if need > have:
+    if weights + activations > have:
         raise ConfigError(
-            f"the model's {params:,} parameters need at least {need / GIB:,.1f} GiB per rank (fp32 weights, "
-            f"gradients and one optimizer state, {STATE_BYTES_PER_PARAM} bytes each, split over {shards} rank(s)), "
-            f"more than the {have / GIB:,.1f} GiB of this {what}: shrink the model (model.dim={cfg.model.dim}, "
-            f"model.n_layers={cfg.model.n_layers}) or shard it over more ranks (forge-train --plan estimates a "
-            "layout's peak)"
+            f"the run needs at least {(weights + activations) / GIB:,.1f} GiB per rank, more than the "
+            f"{have / GIB:,.1f} GiB of this {what}: the model's {params:,} parameters {weights / GIB:,.1f} GiB (fp32 "
+            f"weights, gradients and one optimizer state, {STATE_BYTES_PER_PARAM} bytes each, over {shards} "
+            f"rank(s)) and each block's input kept for the backward {activations / GIB:,.1f} GiB "
+            f"(train.micro_batch_size={cfg.train.micro_batch_size} x train.seq_len={cfg.train.seq_len} x "
+            f"model.dim={cfg.model.dim} x model.n_layers={cfg.model.n_layers}); forge-train --plan estimates a "
+            "layout's peak"
         )
+
+
+def block_inputs_bytes(cfg: DictConfig, degrees: Degrees) -> float:
+    """What a training step keeps at the least, even under full activation checkpointing: each block's input (2
+    bytes an element), split over the ranks that split the sequence, the width or the blocks."""
+    train, model = cfg.train, cfg.model
+    elements = train.micro_batch_size * train.seq_len * model.dim * model.n_layers
+    return 2 * elements / (degrees.cp * degrees.tp * degrees.pp)

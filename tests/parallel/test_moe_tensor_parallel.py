@@ -1,0 +1,134 @@
+"""MoE models under tensor parallelism (forge.parallel.expert_tensor) train like one process: the product's own
+example, `torchrun --nproc_per_node=4 -m forge.train model=moe parallel=tp4_fsdp`, and tp2 / tp2 x fsdp2 with the
+router kinds, aux-loss scopes, shared experts, capacity limits and activation checkpointing, on real gloo ranks.
+
+The reference runs the same micro-batches in one process: a micro_batch aux loss is each micro-batch's, so a layout
+with 2 data-parallel ranks of 4 samples is compared with one process accumulating 2 micro-batches of 4.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, forge_cmd
+from tests.parallel.harness import launch
+from tests.parallel.scenarios import run_scenarios
+
+pytestmark = pytest.mark.dist
+
+RTOL = 1e-4  # fp32; the measured differences are ~1e-7 (the order of the tp ranks' partial sums)
+MOE = ["model=moe_tiny", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4"]
+MOE += ["model.moe.expert_ffn_dim=64"]
+SIGMOID = ["model.moe.router=sigmoid_topk", "model.moe.num_shared_experts=1", "model.moe.aux_loss_scope=global_batch"]
+SEQUENCE = ["model.moe.aux_loss_scope=sequence", "model.moe.capacity_factor=1.0"]
+
+# name -> (model settings, layout on the ranks, the one-process reference's micro-batch)
+TWO_RANKS = {
+    "tp2": ([], ["parallel=tp2", "train.micro_batch_size=8"], 8),
+    "tp2_sequence_capacity_ac_full": (
+        SEQUENCE, ["parallel=tp2", "train.micro_batch_size=8", "parallel.activation_checkpoint=full"], 8
+    ),
+    "tp2_accum_ac_selective": (
+        [], ["parallel=tp2", "train.micro_batch_size=4", "parallel.activation_checkpoint=selective"], 4
+    ),
+}  # fmt: skip
+FOUR_RANKS = {
+    "tp4_fsdp": ([], ["parallel=tp4_fsdp", "train.micro_batch_size=8"], 8),
+    "tp2_fsdp": ([], ["parallel=tp2_fsdp", "train.micro_batch_size=4"], 4),
+    "tp2_fsdp_sigmoid_shared_global": (SIGMOID, ["parallel=tp2_fsdp", "train.micro_batch_size=4"], 8),
+}
+
+
+def references(cases: dict) -> dict[str, list[str]]:
+    return {f"ref_{name}": [*MOE, *model, "parallel=single", f"train.micro_batch_size={micro}"]
+            for name, (model, _, micro) in cases.items()}  # fmt: skip
+
+
+def layouts(cases: dict) -> dict[str, list[str]]:
+    return {name: [*MOE, *model, *layout] for name, (model, layout, _) in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def reference_curves(tmp_path_factory):
+    return launch(run_scenarios, 1, references(TWO_RANKS | FOUR_RANKS), str(tmp_path_factory.mktemp("single")))[0]
+
+
+@pytest.fixture(scope="module")
+def two_rank_curves(tmp_path_factory):
+    return launch(run_scenarios, 2, layouts(TWO_RANKS), str(tmp_path_factory.mktemp("two")))[0]
+
+
+@pytest.fixture(scope="module")
+def four_rank_curves(tmp_path_factory):
+    return launch(run_scenarios, 4, layouts(FOUR_RANKS), str(tmp_path_factory.mktemp("four")))[0]
+
+
+def assert_same_curves(got: dict, want: dict) -> None:
+    assert len(got["loss"]) == len(want["loss"]) == 4
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert got[key] == pytest.approx(want[key], rel=RTOL), key
+
+
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_two_rank_moe_layouts_match_one_process(name, two_rank_curves, reference_curves):
+    run = two_rank_curves[name]
+    assert run["wq_placements"] == ["S(0)"]  # tensor parallel was applied
+    assert_same_curves(run, reference_curves[f"ref_{name}"])
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_four_rank_moe_layouts_match_one_process(name, four_rank_curves, reference_curves):
+    run = four_rank_curves[name]
+    assert run["wq_placements"] in (["S(0)"], ["_S(0, 2)", "S(0)"])
+    assert run["local_params"] < 0.6 * run["params"]  # the experts are split, not copied
+    assert_same_curves(run, reference_curves[f"ref_{name}"])
+
+
+def losses(run_dir) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+@pytest.mark.slow
+def test_the_products_example_runs_on_four_ranks_like_one_process(tmp_path):
+    """The command as a user types it (steps shortened, fp32 so one process is an exact reference), against the
+    same config in one process."""
+    short = ["train.steps=3", "train.log_every=1", "train.eval_batches=1", "train.dtype=fp32", "train.threads=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "forge.train",
+           "model=moe", "parallel=tp4_fsdp", *short, f"hydra.run.dir={tmp_path / 'tp4'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 MoE layers: experts' hidden widths split" in (tmp_path / "tp4" / "forge.log").read_text()
+    one = forge_cmd("model=moe", "parallel=single", *short, f"hydra.run.dir={tmp_path / 'one'}")
+    proc = subprocess.run(one, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert losses(tmp_path / "tp4") == pytest.approx(losses(tmp_path / "one"), rel=RTOL)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_moe_checkpoint_resumes_in_one_process_and_under_expert_parallelism(tmp_path):
+    """tp2's DCP checkpoint (experts split on their hidden width) read into the whole experts of one process and into
+    ep2 x fsdp's expert shards: steps 3 and 4 continue the tp2 run's curve."""
+    common = ["model=moe", "train.steps=4", "train.dtype=fp32", "train.log_every=1", "train.eval_batches=1",
+              "train.threads=1"]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    torchrun += ["-m", "forge.train"]
+    saved = tmp_path / "tp2"
+    runs = {
+        "tp2": [*torchrun, *common, "parallel=tp2", "checkpoint.interval=2", f"hydra.run.dir={saved}"],
+        "one": forge_cmd(*common, "parallel=single", f"checkpoint.resume={saved}/checkpoints/step-00000002"),
+        "ep2_fsdp": [*torchrun, *common, "parallel=ep2_fsdp", f"checkpoint.resume={saved}/checkpoints/step-00000002"],
+    }
+    curves = {}
+    for name, cmd in runs.items():
+        run_dir = tmp_path / name
+        if name != "tp2":
+            cmd = [*cmd, f"hydra.run.dir={run_dir}"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        curves[name] = losses(run_dir)
+    assert len(curves["tp2"]) == 4 and len(curves["one"]) == len(curves["ep2_fsdp"]) == 2
+    assert curves["one"] == pytest.approx(curves["tp2"][2:], rel=RTOL)
+    assert curves["ep2_fsdp"] == pytest.approx(curves["tp2"][2:], rel=1e-3)  # its own micro-batches' aux losses
