@@ -17,7 +17,6 @@ CASES = {  # name -> (overrides, world size)
     "tp+pp": (["parallel=pp2", "parallel.tp=2"], 4),
     "fp8+tp": (["parallel=tp2", "parallel.fp8=true"], 2),
     "pp+document_masking": (["parallel=pp2", "data.document_masking=true"], 2),
-    "tp+mla": (["parallel=tp2", "model.attention_kind=mla"], 2),
 }
 
 

@@ -53,7 +53,8 @@ def run_scenarios(scenarios: dict[str, list[str]], root: str) -> dict[str, dict]
 
 def layout(trainer: Trainer) -> dict:
     """What the plan did to the model, so a test can tell a parallel run from an accidental single one."""
-    wq = trainer.model.layers["0"].attention.wq.weight  # wrappers forward attribute access
+    attention = trainer.model.layers["0"].attention  # wrappers forward attribute access
+    wq = (attention.wq if hasattr(attention, "wq") else attention.wq_b).weight  # latent attention: its up-projection
     return {
         "wq_placements": [str(p) for p in getattr(wq, "placements", ())],
         "local_params": count_local_parameters(trainer.model),

@@ -1,6 +1,8 @@
-"""MoE models under tensor parallelism (forge.parallel.expert_tensor) train like one process: the product's own
-example, `torchrun --nproc_per_node=4 -m forge.train model=moe parallel=tp4_fsdp`, and tp2 / tp2 x fsdp2 with the
-router kinds, aux-loss scopes, shared experts, capacity limits and activation checkpointing, on real gloo ranks.
+"""MoE models and latent attention under tensor parallelism (forge.parallel.expert_tensor, latent_tensor) train like
+one process: the product's own example, `torchrun --nproc_per_node=4 -m forge.train model=moe parallel=tp4_fsdp`,
+and tp2 / tp2 x fsdp2 with the router kinds, aux-loss scopes, shared experts, capacity limits, activation
+checkpointing and deepseek_v3_small's latent attention (with and without the query's low-rank pair), on real gloo
+ranks.
 
 The reference runs the same micro-batches in one process: a micro_batch aux loss is each micro-batch's, so a layout
 with 2 data-parallel ranks of 4 samples is compared with one process accumulating 2 micro-batches of 4.
@@ -23,6 +25,13 @@ MOE = ["model=moe_tiny", "model.dim=64", "model.n_layers=2", "model.n_heads=4", 
 MOE += ["model.moe.expert_ffn_dim=64"]
 SIGMOID = ["model.moe.router=sigmoid_topk", "model.moe.num_shared_experts=1", "model.moe.aux_loss_scope=global_batch"]
 SEQUENCE = ["model.moe.aux_loss_scope=sequence", "model.moe.capacity_factor=1.0"]
+LATENT = [  # deepseek_v3_small's kinds (latent attention, sigmoid router, a shared expert, sequence aux loss), small
+    "model=deepseek_v3_small", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
+    "model.vocab_size=${data.vocab_size}", "model.max_seq_len=256", "model.ffn_dim=128", "model.moe.num_experts=8",
+    "model.moe.top_k=2", "model.moe.expert_ffn_dim=32", "model.moe.grouped_mm=false", "model.mla.q_lora_rank=32",
+    "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8",
+    "model.mla.v_head_dim=16",
+]  # fmt: skip
 
 # name -> (model settings, layout on the ranks, the one-process reference's micro-batch)
 TWO_RANKS = {
@@ -33,21 +42,32 @@ TWO_RANKS = {
     "tp2_accum_ac_selective": (
         [], ["parallel=tp2", "train.micro_batch_size=4", "parallel.activation_checkpoint=selective"], 4
     ),
+    "latent_tp2": (LATENT, ["parallel=tp2", "train.micro_batch_size=8"], 8),
 }  # fmt: skip
 FOUR_RANKS = {
     "tp4_fsdp": ([], ["parallel=tp4_fsdp", "train.micro_batch_size=8"], 8),
     "tp2_fsdp": ([], ["parallel=tp2_fsdp", "train.micro_batch_size=4"], 4),
     "tp2_fsdp_sigmoid_shared_global": (SIGMOID, ["parallel=tp2_fsdp", "train.micro_batch_size=4"], 8),
+    "latent_full_wq_tp2_fsdp": (
+        [*LATENT, "model.mla.q_lora_rank=0"],
+        ["parallel=tp2_fsdp", "train.micro_batch_size=4"],
+        8,
+    ),
 }
 
 
 def references(cases: dict) -> dict[str, list[str]]:
-    return {f"ref_{name}": [*MOE, *model, "parallel=single", f"train.micro_batch_size={micro}"]
+    return {f"ref_{name}": [*base(model), "parallel=single", f"train.micro_batch_size={micro}"]
             for name, (model, _, micro) in cases.items()}  # fmt: skip
 
 
 def layouts(cases: dict) -> dict[str, list[str]]:
-    return {name: [*MOE, *model, *layout] for name, (model, layout, _) in cases.items()}
+    return {name: [*base(model), *layout] for name, (model, layout, _) in cases.items()}
+
+
+def base(model: list[str]) -> list[str]:
+    """A case's model: the small MoE with its settings, or a latent-attention model of its own."""
+    return model if model[:1] == LATENT[:1] else [*MOE, *model]
 
 
 @pytest.fixture(scope="module")

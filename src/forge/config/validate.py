@@ -263,8 +263,6 @@ UNSUPPORTED = (
     ("tp+pp", lambda c, d: d.tp > 1 and d.pp > 1, "pipeline stages are not tensor-parallel yet; use one of the two"),
     ("fp8+tp", lambda c, d: c.parallel.fp8 and d.tp > 1,
      "float8 needs float8 tensor-parallel styles, which are not implemented; use parallel.tp=1 with fp8"),
-    ("tp+mla", lambda c, d: d.tp > 1 and c.model.get("attention_kind", "gqa") == "mla",
-     "latent attention has no tensor-parallel plan yet (its low-rank projections are not split); use parallel.tp=1"),
     ("pp+document_masking", lambda c, d: d.pp > 1 and c.data.get("document_masking", False),
      "pipeline stages do not pass the document mask between them; use data.document_masking=false or "
      "parallel.pp=1"),

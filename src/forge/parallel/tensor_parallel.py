@@ -12,10 +12,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from forge.model.feed_forward import FeedForward
+from forge.model.latent_attention import LatentAttention
 from forge.model.moe import MoE
 from forge.model.transformer import Transformer
 from forge.parallel.applied import Applied, logged
 from forge.parallel.expert_tensor import apply_moe_tensor_parallel
+from forge.parallel.latent_tensor import apply_latent_tensor_parallel
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
@@ -39,18 +41,19 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
     parallelize_module(model, tp_mesh, root_plan)
     model.tie_weights()  # both splits are Shard(0) of the (vocab, dim) matrix: one DTensor serves both
     for block in model.layers.values():
-        plan = {
-            "attention_norm": SequenceParallel(),
-            # (x, cos, sin, attn_mask): only x is an activation to gather.
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "ffn_norm": SequenceParallel(),
-        }
+        latent = isinstance(block.attention, LatentAttention)
+        plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+        if not latent:
+            plan |= {
+                # (x, cos, sin, attn_mask): only x is an activation to gather.
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            }
         if model.args.qk_norm:
             # q and k are (batch, seq, local heads, head_dim): each rank norms its own heads over head_dim with the
             # replicated weight, whose gradient (a sum over every rank's heads) is all-reduced like the other norms'
@@ -66,6 +69,8 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
                 "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             }
         parallelize_module(block, tp_mesh, plan)
+        if latent:
+            apply_latent_tensor_parallel(block.attention, tp_mesh)
         if isinstance(block.feed_forward, MoE):
             apply_moe_tensor_parallel(block.feed_forward, tp_mesh)
     detail = f"tensor parallel over {tp_mesh.size()} ranks: embedding, {len(model.layers)} blocks, norm, output "
@@ -73,4 +78,6 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
     moe_blocks = sum(isinstance(block.feed_forward, MoE) for block in model.layers.values())
     if moe_blocks:
         detail += f"; {moe_blocks} MoE layers: experts' hidden widths split, router replicated"
+    if model.args.attention_kind == "mla":
+        detail += "; latent attention: heads split, low-rank down-projections replicated"
     return logged(Applied("tp", detail, {"tp": tp_mesh.size()}))
