@@ -351,7 +351,8 @@ def test_the_cli_refuses_in_one_line(tmp_path):
         lines[name] = one_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     assert "the config group train is required" in lines["train=null"]
     assert "more than a tensor's byte count can hold" in lines["model.dim=1000000000000"]
-    assert "parameters need at least" in lines["model.dim=65536 model.n_layers=64"]
+    assert "the run needs at least" in lines["model.dim=65536 model.n_layers=64"]
+    assert "parameters" in lines["model.dim=65536 model.n_layers=64"]
     assert "GiB" in lines["model.dim=65536 model.n_layers=64"]
     assert "is a file, not a folder" in lines["hydra.run.dir=<a file>"]
     assert "Not a directory" in lines["hydra.run.dir=<under a file>"]

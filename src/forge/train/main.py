@@ -28,8 +28,9 @@ CALIBRATE = False
 """Set by `--calibrate`: measure this machine and write a device profile for `--plan --search` instead of training."""
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig, degrees) -> dict:
     prepare_host(cfg)  # first: torch reads its huge-page switch at the process's first CPU allocation
+    check_model_fits(cfg, degrees)
     from forge.train.trainer import Trainer
     from forge.train.vlm_trainer import VLMTrainer
 
@@ -103,8 +104,7 @@ def _task(cfg: DictConfig) -> None:
             print_plan(cfg)
             return
         degrees = validate(cfg)  # again in the trainer; here a config error is refused before its heavy imports
-        check_model_fits(cfg, degrees)
-        summary = run(cfg)
+        summary = run(cfg, degrees)
     except ConfigError as err:
         print(f"forge-train: invalid config: {err}", file=sys.stderr)
         remove_empty_run_dir()
