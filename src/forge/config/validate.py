@@ -570,13 +570,13 @@ def validate_context_parallel(cfg: DictConfig, degrees: Degrees) -> None:
     )
     refused = {
         f"parallel.pp={degrees.pp}": degrees.pp > 1,
-        "an MoE model (model.moe is set)": cfg.model.get("moe") is not None,
+        f"parallel.ep={degrees.ep} (the expert weights' FSDP group would leave out the cp ranks)": degrees.ep > 1,
         "parallel.compile=true": bool(cfg.parallel.compile),
     }
     _refuse_each(
         refused,
-        f"parallel.cp={cp} with {{what}} is not supported yet (context parallelism covers dense models, any dp, "
-        "fsdp and tp; use parallel.cp=1)",
+        f"parallel.cp={cp} with {{what}} is not supported yet (context parallelism covers dense and MoE models, any "
+        "dp, fsdp and tp; use parallel.cp=1)",
     )
 
 

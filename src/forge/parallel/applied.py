@@ -10,7 +10,10 @@ from typing import Literal
 
 log = logging.getLogger("forge")
 
-Step = Literal["pp", "tp", "cp", "ep", "router_loads", "fp8", "activation_checkpoint", "compile", "expert_fsdp", "fsdp"]
+Step = Literal[
+    "pp", "tp", "cp", "router_counts", "ep", "router_loads", "fp8", "activation_checkpoint", "compile", "expert_fsdp",
+    "fsdp",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -18,9 +21,9 @@ class Applied:
     """One transform applied to a model (or a pipeline stage of it)."""
 
     step: Step
-    """Which transform: pipeline split or schedule, tensor parallel, context parallel, expert parallel, global-batch
-    router loads, float8, activation checkpointing, per-block compile, FSDP2 of the experts, FSDP2 (FSDP, HSDP or
-    DDP)."""
+    """Which transform: pipeline split or schedule, tensor parallel, context parallel, the MoE counts summed over
+    it, expert parallel, global-batch router loads, float8, activation checkpointing, per-block compile, FSDP2 of the
+    experts, FSDP2 (FSDP, HSDP or DDP)."""
     detail: str
     """What it covered (modules, mesh, dtypes), in the sentence the report prints."""
     mesh: dict[str, int] = field(default_factory=dict)

@@ -103,18 +103,33 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
     return len(layers)
 
 
+def summed_over(group: dist.ProcessGroup):
+    """A function summing a (count) tensor over `group`, without gradient."""
+
+    def total(counts: torch.Tensor) -> torch.Tensor:
+        summed = counts.detach().clone()
+        dist.all_reduce(summed, group=group)
+        return summed
+
+    return total
+
+
 def sum_load_over(group: dist.ProcessGroup, model: nn.Module) -> int:
     """Give every MoE layer with `aux_loss_scope=global_batch` the sum of its expert counts over `group` (the
-    data-parallel ranks); returns how many layers got it."""
-
-    def sum_load(counts: torch.Tensor) -> torch.Tensor:
-        total = counts.detach().clone()
-        dist.all_reduce(total, group=group)
-        return total
-
+    ranks holding a step's tokens: data-parallel, and their context-parallel peers); returns how many layers got
+    it."""
     layers = [layer for _, layer in moe_layers(model) if layer.args.aux_loss_scope == "global_batch"]
     for layer in layers:
-        layer.sum_load = sum_load
+        layer.sum_load = summed_over(group)
+    return len(layers)
+
+
+def sum_sequence_counts_over(group: dist.ProcessGroup, model: nn.Module) -> int:
+    """Give every MoE layer the sum of its micro-batch or per-sequence expert counts over `group` (the
+    context-parallel ranks, which hold the other parts of the same sequences); returns how many layers got it."""
+    layers = [layer for _, layer in moe_layers(model)]
+    for layer in layers:
+        layer.sum_sequence_counts = summed_over(group)
     return len(layers)
 
 

@@ -1,8 +1,8 @@
 """The parallel plan: one function applies every transform to the meta-device model, in this order.
 
-tensor parallel -> context parallel -> expert parallel -> global-batch router loads -> float8 -> activation
-checkpointing -> compile (per block, or on one process the whole forward) -> FSDP2. It returns what it applied,
-one record (forge.parallel.applied) per transform.
+tensor parallel -> context parallel (and the MoE counts over it) -> expert parallel -> global-batch router loads ->
+float8 -> activation checkpointing -> compile (per block, or on one process the whole forward) -> FSDP2. It returns
+what it applied, one record (forge.parallel.applied) per transform.
 
 TP must come first because FSDP shards the DTensors TP produced (2-D parameters); checkpointing and compile
 wrap whole blocks (or compile the whole forward around them), and FSDP wraps last so its hooks run outside the
@@ -24,8 +24,8 @@ from forge.config.schema import ActivationCheckpoint, CompileScope
 from forge.model.moe import moe_layers
 from forge.parallel.applied import Applied, logged
 from forge.parallel.context_parallel import apply_context_parallel
-from forge.parallel.expert import local_part, shard_experts, sum_load_over
-from forge.parallel.mesh import dp_mesh, expert_fsdp_mesh, has_dp_shard, submesh
+from forge.parallel.expert import local_part, shard_experts, sum_load_over, sum_sequence_counts_over
+from forge.parallel.mesh import expert_fsdp_mesh, has_dp_shard, submesh, token_mesh
 from forge.parallel.tensor_parallel import apply_tensor_parallel
 
 # Selective checkpointing keeps these ops' outputs and recomputes the cheap rest (norms, activations, rope).
@@ -58,6 +58,7 @@ def parallelize(
         applied.append(apply_tensor_parallel(model, mesh["tp"]))
     if degrees.cp > 1:
         applied.append(apply_context_parallel(model, mesh["cp"]))
+        applied.append(apply_sequence_router_counts(model, mesh["cp"]))
     if degrees.ep > 1:
         applied.append(apply_expert_parallel(model, mesh, degrees))
     applied.append(apply_global_router_loads(model, mesh))
@@ -89,15 +90,24 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, degrees: Degrees) 
 
 
 def apply_global_router_loads(model: nn.Module, mesh: DeviceMesh | None) -> Applied | None:
-    """MoE layers with aux_loss_scope=global_batch balance the expert loads summed over the data-parallel ranks
-    (None when no layer does, or there is one dp rank)."""
-    dp = dp_mesh(mesh)
-    if dp is None or dp.size() == 1:
+    """MoE layers with aux_loss_scope=global_batch balance the expert loads summed over the ranks holding a step's
+    tokens, data-parallel and context-parallel (None when no layer does, or there is one such rank)."""
+    tokens = token_mesh(mesh)
+    if tokens is None or tokens.size() == 1:
         return None
-    if not (layers := sum_load_over(dp.get_group(), model)):
+    if not (layers := sum_load_over(tokens.get_group(), model)):
         return None
-    detail = f"global-batch load balancing: {layers} MoE layers sum expert loads over {dp.size()} dp ranks"
-    return logged(Applied("router_loads", detail, mesh_dims(dp)))
+    detail = f"global-batch load balancing: {layers} MoE layers sum expert loads over {tokens.size()} token ranks"
+    return logged(Applied("router_loads", detail, mesh_dims(tokens)))
+
+
+def apply_sequence_router_counts(model: nn.Module, cp_mesh: DeviceMesh) -> Applied | None:
+    """Under context parallelism the MoE layers' micro-batch and sequence balancing losses count the experts of the
+    whole sequences: their counts are summed over the cp ranks (None for a dense model)."""
+    if not (layers := sum_sequence_counts_over(cp_mesh.get_group(), model)):
+        return None
+    detail = f"MoE balancing of whole sequences: {layers} MoE layers sum expert counts over {cp_mesh.size()} cp ranks"
+    return logged(Applied("router_counts", detail, {"cp": cp_mesh.size()}))
 
 
 def apply_float8(model: nn.Module, degrees: Degrees) -> Applied:

@@ -24,7 +24,10 @@ class MoE(nn.Module):
     the trainer reads them through `forge.model.moe.balance` without the block's signature changing.
     `dispatch` moves grouped tokens to the experts and back; expert parallelism replaces it from outside.
     `sum_load` (None in one process) sums the expert counts over the data-parallel ranks for the global-batch
-    aux loss; the data-parallel plan installs it. Evaluation (`eval()`) always uses the local counts.
+    aux loss; the data-parallel plan installs it. `sum_sequence_counts` (None unless context parallelism splits
+    each sequence over ranks) sums the micro-batch and sequence losses' counts over the ranks holding the other
+    parts of the same sequences, so each rank's loss, averaged over them as the gradients are, is one process's.
+    Evaluation (`eval()`) always uses the local counts.
     """
 
     def __init__(self, dim: int, hidden: int, args: MoEArgs):
@@ -40,6 +43,7 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(dim, hidden * args.num_shared_experts) if args.num_shared_experts else None
         self.dispatch: Dispatch = local_dispatch
         self.sum_load: LoadReduce | None = None
+        self.sum_sequence_counts: LoadReduce | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.last_routed: torch.Tensor | None = None
@@ -57,13 +61,16 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
 
+        spread = self.sum_sequence_counts if self.training else None
         if args.aux_loss_scope == "sequence" and len(shape) == 3:
-            aux = sequence_balancing_loss(routing.probs, routing.experts, args.num_experts, shape[0])
+            aux = sequence_balancing_loss(routing.probs, routing.experts, args.num_experts, shape[0], spread)
         elif args.aux_loss_scope == "global_batch" and self.training and self.sum_load is not None:
             counts = self.sum_load(torch.bincount(routing.experts.flatten(), minlength=args.num_experts))
             aux = load_balancing_loss(routing.probs, routing.experts, args.num_experts, counts)
         else:
-            aux = load_balancing_loss(routing.probs, routing.experts, args.num_experts)
+            counts = torch.bincount(routing.experts.flatten(), minlength=args.num_experts)
+            counts = spread(counts) if spread is not None else counts
+            aux = load_balancing_loss(routing.probs, routing.experts, args.num_experts, counts)
         self.last_aux_loss = aux
         self.last_z_loss = router_z_loss(routing.logits)
         self.last_routed, self.last_kept = kept.routed.detach(), kept.counts.detach()

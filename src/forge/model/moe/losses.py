@@ -1,5 +1,7 @@
 """Router losses: the Switch-style load-balancing loss and the router z-loss."""
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -21,15 +23,25 @@ def load_balancing_loss(
     return num_experts * (fraction * probs.mean(dim=0)).sum()
 
 
-def sequence_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, batch: int) -> torch.Tensor:
+def sequence_balancing_loss(
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    batch: int,
+    sum_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The same loss computed per sequence and averaged (DeepSeek-V3's complementary sequence-wise loss).
 
-    probs (batch * seq, E) and experts (batch * seq, k) with the tokens of one sequence contiguous.
+    probs (batch * seq, E) and experts (batch * seq, k) with the tokens of one sequence contiguous. `sum_counts`
+    sums the (batch, E) per-sequence counts over the ranks holding the other parts of the sequences (their P
+    stays each rank's own mean, which the ranks' average makes the whole sequence's).
     """
     seq_probs = probs.view(batch, -1, num_experts)
     seq_experts = experts.view(batch, -1, experts.shape[-1])
     one_hot = torch.zeros_like(seq_probs).scatter_add_(2, seq_experts, torch.ones_like(seq_experts, dtype=probs.dtype))
-    fraction = one_hot.sum(dim=1) / seq_experts[0].numel()
+    counts = one_hot.sum(dim=1)
+    counts = sum_counts(counts) if sum_counts is not None else counts
+    fraction = counts / counts.sum(dim=-1, keepdim=True)
     return num_experts * (fraction * seq_probs.mean(dim=1)).sum(dim=-1).mean()
 
 

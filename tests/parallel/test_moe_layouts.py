@@ -1,8 +1,9 @@
-"""MoE models and latent attention under tensor parallelism (forge.parallel.expert_tensor, latent_tensor) train like
-one process: the product's own example, `torchrun --nproc_per_node=4 -m forge.train model=moe parallel=tp4_fsdp`,
-and tp2 / tp2 x fsdp2 with the router kinds, aux-loss scopes, shared experts, capacity limits, activation
-checkpointing and deepseek_v3_small's latent attention (with and without the query's low-rank pair), on real gloo
-ranks.
+"""MoE models and latent attention under tensor parallelism (forge.parallel.expert_tensor, latent_tensor), and MoE
+models under context parallelism (their balancing counts summed over the cp ranks), train like one process: the
+product's own example, `torchrun --nproc_per_node=4 -m forge.train model=moe parallel=tp4_fsdp`; tp2 / tp2 x fsdp2
+with the router kinds, aux-loss scopes, shared experts, capacity limits, activation checkpointing and
+deepseek_v3_small's latent attention (with and without the query's low-rank pair); cp2 / cp2 x fsdp2 with each
+aux-loss scope; on real gloo ranks.
 
 The reference runs the same micro-batches in one process: a micro_batch aux loss is each micro-batch's, so a layout
 with 2 data-parallel ranks of 4 samples is compared with one process accumulating 2 micro-batches of 4.
@@ -43,11 +44,19 @@ TWO_RANKS = {
         [], ["parallel=tp2", "train.micro_batch_size=4", "parallel.activation_checkpoint=selective"], 4
     ),
     "latent_tp2": (LATENT, ["parallel=tp2", "train.micro_batch_size=8"], 8),
+    "cp2": ([], ["parallel=cp2", "train.micro_batch_size=8"], 8),
 }  # fmt: skip
 FOUR_RANKS = {
     "tp4_fsdp": ([], ["parallel=tp4_fsdp", "train.micro_batch_size=8"], 8),
     "tp2_fsdp": ([], ["parallel=tp2_fsdp", "train.micro_batch_size=4"], 4),
     "tp2_fsdp_sigmoid_shared_global": (SIGMOID, ["parallel=tp2_fsdp", "train.micro_batch_size=4"], 8),
+    "cp2_fsdp": ([], ["parallel=cp2_fsdp", "train.micro_batch_size=4"], 4),
+    "cp2_fsdp_sigmoid_global": (
+        ["model.moe.router=sigmoid_topk", "model.moe.aux_loss_scope=global_batch"],
+        ["parallel=cp2_fsdp", "train.micro_batch_size=4"],
+        8,
+    ),
+    "latent_cp2_fsdp": (LATENT, ["parallel=cp2_fsdp", "train.micro_batch_size=4"], 8),
     "latent_full_wq_tp2_fsdp": (
         [*LATENT, "model.mla.q_lora_rank=0"],
         ["parallel=tp2_fsdp", "train.micro_batch_size=4"],
@@ -94,7 +103,7 @@ def assert_same_curves(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("name", list(TWO_RANKS))
 def test_two_rank_moe_layouts_match_one_process(name, two_rank_curves, reference_curves):
     run = two_rank_curves[name]
-    assert run["wq_placements"] == ["S(0)"]  # tensor parallel was applied
+    assert run["wq_placements"] == ["S(0)"]  # a parallel plan was applied (tp's rows, or FSDP's over dp x cp)
     assert_same_curves(run, reference_curves[f"ref_{name}"])
 
 
