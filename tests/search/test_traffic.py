@@ -30,15 +30,22 @@ LAYOUTS = {  # preset -> the same layout as the search writes it
     "fsdp": Layout(1, 4, 1, 1, 1, "none", 1),
     "hsdp": Layout(2, 2, 1, 1, 1, "none", 1),
     "tp2_fsdp": Layout(1, 2, 2, 1, 1, "none", 1),
+    "tp2_fsdp_moe": Layout(1, 2, 2, 1, 1, "none", 1),  # experts split on their width, the router's logits summed
     "pp2_fsdp": Layout(1, 2, 1, 2, 1, "none", 4, "1f1b", 4),  # one micro-batch of 4 chunks
     "ep2_fsdp": Layout(1, 4, 1, 1, 2, "none", 1),
     "pp2": Layout(2, 1, 1, 2, 1, "none", 2, "1f1b", 2),  # x DDP over 2: 2 micro-batches of 2 chunks
     "cp2_fsdp": Layout(1, 2, 1, 1, 1, "none", 1, cp=2),  # FSDP over dp_shard 2 x cp 2, K/V over the cp pairs
     "cp2_fsdp_selective": Layout(1, 2, 1, 1, 1, "selective", 1, cp=2),  # the recompute gathers K/V again
+    "cp2_fsdp_moe": Layout(1, 2, 1, 1, 1, "none", 1, cp=2),  # the experts sharded over dp_shard x cp as the rest
 }
-MODEL = {"ep2_fsdp": ["model=moe_tiny"], "cp2_fsdp_selective": ["parallel.activation_checkpoint=selective"]}
+MODEL = {
+    "ep2_fsdp": ["model=moe_tiny"],
+    "tp2_fsdp_moe": ["model=moe_tiny"],
+    "cp2_fsdp_moe": ["model=moe_tiny"],
+    "cp2_fsdp_selective": ["parallel.activation_checkpoint=selective"],
+}
 """The MoE layout trains the default MoE (8 experts, top 2) at the tiny width; other extra overrides."""
-PRESET = {"cp2_fsdp_selective": "cp2_fsdp"}
+PRESET = {"cp2_fsdp_selective": "cp2_fsdp", "tp2_fsdp_moe": "tp2_fsdp", "cp2_fsdp_moe": "cp2_fsdp"}
 """The parallel preset of a layout not named after one."""
 MICRO = {
     "pp2_fsdp": [],
@@ -139,6 +146,8 @@ def sent(counted: dict, layout: Layout) -> dict[str, float]:
             total(counted, "_c10d_functional.all_gather_into_tensor.default", lambda n: n - 1)
             + total(counted, "_c10d_functional.reduce_scatter_tensor.default", lambda n: (n - 1) / n)
             + total(counted, "_c10d_functional.all_reduce.default", lambda n: 2 * (n - 1) / n)
+            # an MoE router's logits gradient, summed over the tp group in the backward (c10d, outside DTensor)
+            + total(counted, "c10d.allreduce_.default", lambda n: 2 * (n - 1) / n if n == layout.tp else 0)
         )
     if layout.ep > 1:
         out["ep"] = all_to_all_bytes(counted) * (layout.ep - 1) / layout.ep

@@ -268,8 +268,13 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
                 args.dim if last else 0
             )
             norm_bytes = 2 * t_share * norms * (act_bytes if shard > 1 else 4)
-            moved["tp"] = n_micro * (elems * act_bytes + loss_bytes + norm_bytes)
-            calls = reduces * 2 + (3 if last else 0) + len(blocks) * 2 + (1 if last else 0)
+            # an MoE router's logits gradient (tokens x experts), summed over the tp ranks in each backward
+            moe_blocks = sum(is_moe_block(args, b) for b in blocks) if args.moe is not None else 0
+            router_bytes = (
+                moe_blocks * 2 * t_share * micro_tokens * args.moe.num_experts * act_bytes if moe_blocks else 0
+            )
+            moved["tp"] = n_micro * (elems * act_bytes + loss_bytes + norm_bytes + router_bytes)
+            calls = reduces * 2 + (3 if last else 0) + len(blocks) * 2 + (1 if last else 0) + moe_blocks
             seconds, lat = links.seconds("tp", moved["tp"], n_micro * calls)
             t["tp"] = seconds
             latency += lat
@@ -314,7 +319,10 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
 
 def _shard_traffic(layout: Layout, dense: float, experts: float) -> float:
     """Elements a rank sends (ring) to gather or reduce-scatter `dense` elements over dp_shard x cp (per tp rank)
-    and `experts` (routed-expert elements) over the dp_shard / ep ranks that share them (this rank holds E / ep)."""
+    and `experts` (routed-expert elements) over the dp_shard / ep ranks that share them (this rank holds E / ep, and
+    under tp its part of each one's hidden width)."""
     shard = layout.dp_shard * layout.cp
+    if layout.ep == 1:  # the experts are sharded with the rest of their block
+        return (shard - 1) / shard * (dense + experts) / layout.tp
     group = layout.dp_shard // layout.ep
-    return (shard - 1) / shard * dense / layout.tp + (group - 1) / group * experts / layout.ep
+    return (shard - 1) / shard * dense / layout.tp + (group - 1) / group * experts / layout.ep / layout.tp

@@ -24,12 +24,13 @@ def layouts(
 ) -> Iterator[Layout]:
     """Candidates for a model of `args`: tp within a node and dividing the (key/value) heads, pp dividing the
     blocks (dense models only), cp a power of two with tp x cp within a node, dividing seq_len into 2 x cp chunks
-    (dense models without pp; none when seq_len is not given), ep dividing the experts and dp_shard (MoE only,
-    without tp), every split of the data-parallel ranks into dp_replicate x dp_shard, micro-batches dividing each
-    rank's share of the batch."""
+    (models without pp; none when seq_len is not given), ep dividing the experts and dp_shard (MoE only, without tp
+    or cp; under tp an MoE's expert width must split over it), every split of the data-parallel ranks into
+    dp_replicate x dp_shard, micro-batches dividing each rank's share of the batch."""
     moe = args.moe
+    expert_width = (moe.expert_ffn_dim or args.hidden_dim) if moe is not None else 0
     for tp in divisors(world_size):
-        if tp > gpus_per_node or args.n_heads % tp or args.kv_heads % tp or (moe is not None and tp > 1):
+        if tp > gpus_per_node or args.n_heads % tp or args.kv_heads % tp or (moe is not None and expert_width % tp):
             continue
         for pp in divisors(world_size // tp):
             if args.n_layers % pp or (moe is not None and pp > 1):
@@ -41,7 +42,8 @@ def layouts(
                 per_rank = global_batch // dp
                 for dp_replicate in divisors(dp):
                     dp_shard = dp // dp_replicate
-                    eps = [e for e in divisors(dp_shard) if moe.num_experts % e == 0] if moe is not None else [1]
+                    split = moe is not None and tp == 1 and cp == 1  # ep composes with neither yet
+                    eps = [e for e in divisors(dp_shard) if moe.num_experts % e == 0] if split else [1]
                     for ep in eps:
                         for micro in powers_of_two(min(per_rank, max_micro)):
                             if per_rank % micro:
@@ -51,7 +53,7 @@ def layouts(
 
 def context_degrees(args, ranks: int, pp: int, per_node: int, seq_len: int | None) -> list[int]:
     """The cp degrees forge.config.validate accepts here (1 always)."""
-    if seq_len is None or pp > 1 or args.moe is not None:
+    if seq_len is None or pp > 1:
         return [1]
     return [cp for cp in powers_of_two(min(ranks, max(per_node, 1))) if ranks % cp == 0 and seq_len % (2 * cp) == 0]
 
