@@ -316,6 +316,29 @@ def test_the_issues_examples_are_refused_naming_their_key(example):
     assert overrides[-1].split("=")[0] in str(err.value) or overrides[0].split("=")[0] in str(err.value)
 
 
+EDGES = {  # overrides -> a fragment of the refusal, or None where the value is accepted
+    "optimizer=muon optimizer.adamw_params=${checkpoint.load_weights_exclude}": None,  # a list from another key
+    "metrics.trackers=${checkpoint.load_weights_exclude}": None,
+    "checkpoint.milestones=${oc.create:[0]}": "checkpoint.milestones=[0] (from ${oc.create:[0]}) has 0",
+    "train.steps=${oc.decode:'0'}": "train.steps=0 (from",  # a resolver names the key that holds it
+    "model.ffn_dim=null model.ffn_dim_multiplier=1e308": "gives no feed-forward width",
+    "model.ffn_dim=null model.ffn_dim_multiplier=1e-9": "makes the feed-forward width 0",
+    "~optimizer": "the config group(s) optimizer were removed",
+}
+"""Values that once ended in a traceback or blamed another key (a review of the domain checks)."""
+
+
+@pytest.mark.parametrize("example", list(EDGES))
+def test_interpolated_and_derived_values_are_refused_in_one_line_or_accepted(example):
+    fragment = EDGES[example]
+    if fragment is None:
+        validate(compose(example.split()), world_size=1)
+        return
+    with pytest.raises(ConfigError) as err:
+        validate(compose(example.split()), world_size=1)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
 def cli_refusals(tmp_path) -> dict[str, list[str]]:
     """The CLI's own paths: Hydra's defaults list (a group set to null), sizes, the run directory."""
     afile = tmp_path / "afile"

@@ -141,6 +141,10 @@ REFUSED = {  # overrides on 4 ranks -> what the one line names
     "pp": (["parallel=cp2", "parallel.pp=2", "parallel.dp_replicate=1"], "parallel.cp=2 with parallel.pp=2"),
     "ep": (["parallel=cp2_fsdp", "model=moe_tiny", "parallel.ep=2"], "parallel.cp=2 with parallel.ep=2"),
     "compile": (["parallel=cp2", "parallel.compile=true"], "parallel.cp=2 with parallel.compile=true"),
+    "capacity": (
+        ["parallel=cp2", "model=moe_tiny", "model.moe.capacity_factor=1.0"],
+        "parallel.cp=2 with model.moe.capacity_factor > 0",
+    ),
     "vlm": (["parallel=cp2", "vlm=joint_decoder", "data=vqa_embedded"], "parallel.cp=2 is not supported with a VLM"),
 }
 

@@ -2,6 +2,7 @@
 rules between fields (forge.config.validate) and before anything is built."""
 
 import dataclasses
+import re
 from collections.abc import Iterator
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -20,10 +21,11 @@ def validate_domains(cfg: DictConfig) -> None:
     set directly are checked before those interpolated from another key (`scheduler.total_steps: ${train.steps}`),
     so the refusal names the key the user set."""
     fields = list(schema_fields(cfg, ""))
-    for interpolated in (False, True):
+    for source in ("set", "resolver", "reference"):
         for node, field, key in fields:
-            if OmegaConf.is_interpolation(node, field.name) != interpolated:
+            if value_source(node, field.name) != source:
                 continue
+            interpolated = source != "set"
             value = node[field.name]
             if isinstance(value, DictConfig | ListConfig):
                 value = OmegaConf.to_container(value, resolve=True)
@@ -31,6 +33,15 @@ def validate_domains(cfg: DictConfig) -> None:
             if why:
                 source = f" (from {node._get_node(field.name)._value()})" if interpolated else ""
                 raise ConfigError(f"{key}={shown(value)}{source} {why}")
+
+
+def value_source(node: DictConfig, name: str) -> str:
+    """How a field got its value: set directly, from a resolver (`${oc.env:STEPS}`: the user's own key), or as a
+    reference to another key (`${train.steps}`: that key is named when it is refused)."""
+    if not OmegaConf.is_interpolation(node, name):
+        return "set"
+    raw = str(node._get_node(name)._value())
+    return "reference" if re.fullmatch(r"\$\{[\w.\[\]]+\}", raw) else "resolver"
 
 
 def schema_fields(node: DictConfig, prefix: str) -> Iterator[tuple[DictConfig, dataclasses.Field, str]]:
@@ -43,6 +54,8 @@ def schema_fields(node: DictConfig, prefix: str) -> Iterator[tuple[DictConfig, d
                 yield node, field, f"{prefix}{field.name}"
     for key in node:
         child = node._get_node(key)
+        if child._is_interpolation():
+            continue  # a whole node taken from another key: its own fields are checked where it is declared
         if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
             yield from schema_fields(child, f"{prefix}{key}.")
         elif isinstance(child, ListConfig) and not child._is_none() and not child._is_missing():

@@ -79,6 +79,12 @@ def null_group_refusal(overrides: list[str]) -> str | None:
 def validate_top_level(cfg: DictConfig) -> None:
     """A key Hydra appended (`+train_steps=5`, `+experiment=x` without such a group) would be silently ignored."""
     known = config_groups()
+    removed = [group for group in known if group not in OPTIONAL_GROUPS and group not in cfg]
+    _require(
+        not removed,
+        f"the config group(s) {', '.join(removed)} were removed (~{removed[0] if removed else ''}), but every run "
+        f"needs them; only {', '.join(OPTIONAL_GROUPS)} may be left out",
+    )
     unknown = [key for key in cfg if key not in known]
     _require(
         not unknown,
@@ -150,8 +156,20 @@ def validate_model(model: DictConfig) -> None:
 
 
 def plain_args(model: DictConfig) -> TransformerArgs:
-    """The model's arguments as the dataclass the model is built from (its derived widths: hidden_dim, head_size)."""
-    return TransformerArgs(**{k: v for k, v in OmegaConf.to_container(model, resolve=True).items() if k[0] != "_"})
+    """The model's arguments as the dataclass the model is built from (its derived widths: hidden_dim, head_size);
+    widths that cannot be derived (an overflowing multiplier) or come out empty are refused."""
+    args = TransformerArgs(**{k: v for k, v in OmegaConf.to_container(model, resolve=True).items() if k[0] != "_"})
+    try:
+        hidden = args.hidden_dim
+    except (OverflowError, ValueError) as err:
+        message = f"model.ffn_dim_multiplier={model.ffn_dim_multiplier} gives no feed-forward width ({err})"
+        raise ConfigError(message) from None
+    _require(
+        hidden >= 1,
+        f"model.ffn_dim_multiplier={model.ffn_dim_multiplier} makes the feed-forward width {hidden} (it must be at "
+        "least 1; set model.ffn_dim)",
+    )
+    return args
 
 
 def largest_tensors(model: DictConfig) -> dict[str, int]:
@@ -571,6 +589,9 @@ def validate_context_parallel(cfg: DictConfig, degrees: Degrees) -> None:
     refused = {
         f"parallel.pp={degrees.pp}": degrees.pp > 1,
         f"parallel.ep={degrees.ep} (the expert weights' FSDP group would leave out the cp ranks)": degrees.ep > 1,
+        "model.moe.capacity_factor > 0 (each cp rank would drop from its own part of the sequences)": (
+            cfg.model.get("moe") is not None and cfg.model.moe.capacity_factor > 0
+        ),
         "parallel.compile=true": bool(cfg.parallel.compile),
     }
     _refuse_each(

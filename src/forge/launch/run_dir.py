@@ -3,6 +3,7 @@ naming the path, before Hydra opens its log file there (whose failure reads "Una
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,12 @@ def run_dir_fault(folder: Path) -> str | None:
         return f"{folder} is a file, not a folder"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".forge-write-check-{os.getpid()}"
-        probe.write_bytes(b"forge")
-        probe.unlink()
+        handle, probe = tempfile.mkstemp(prefix=".forge-write-check-", dir=folder)  # unique across hosts and ranks
+        try:
+            os.write(handle, b"forge")
+        finally:
+            os.close(handle)
+            Path(probe).unlink(missing_ok=True)
     except OSError as err:
         where = err.filename or folder
         return f"{where}: {err.strerror or type(err).__name__}"

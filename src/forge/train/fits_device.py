@@ -19,7 +19,7 @@ def device_memory_bytes(device: torch.device) -> tuple[int, str]:
     """The memory one rank can count on and its name: a GPU's own, or the host's RAM divided among the ranks that
     share this host."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", 0))
         return torch.cuda.get_device_properties(index).total_memory, f"GPU {torch.cuda.get_device_name(index)}"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
