@@ -13,6 +13,8 @@ weight gradient is whole and the same on every rank; the router losses, computed
 1/tp of their gradient on each.
 """
 
+import types
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,10 +61,11 @@ def replicated_gate(gate: nn.Linear, tp_mesh: DeviceMesh) -> None:
     """The router's gate: a weight replicated over `tp_mesh`, its logits' gradient summed over the tp ranks (the
     combine weights' part is partial, the router losses' 1/tp on each), its input's scaled by 1/tp (the layer
     input's gradient is summed over the ranks afterwards)."""
-    tp, group = tp_mesh.size(), tp_mesh.get_group()
     gate.weight = replicate_param(gate.weight, tp_mesh)
+    gate.forward = types.MethodType(_gate_forward, gate)  # type: ignore[method-assign]
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return SumGradOver.apply(F.linear(ScaleGrad.apply(x, 1.0 / tp), local_part(gate.weight)), group)
 
-    gate.forward = forward  # type: ignore[method-assign]
+def _gate_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    mesh = self.weight.device_mesh
+    logits = F.linear(ScaleGrad.apply(x, 1.0 / mesh.size()), local_part(self.weight))
+    return SumGradOver.apply(logits, mesh.get_group())

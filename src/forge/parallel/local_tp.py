@@ -8,6 +8,8 @@ matrix with its gradient summed over the tp ranks) and returns partial sums (`sc
 back along the sequence). Weights stay DTensors, so FSDP2, the optimizer and DCP see whole tensors.
 """
 
+import types
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -62,9 +64,9 @@ def replicate_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
     return nn.Parameter(DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False))
 
 
-def summed_local(weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """A replicated weight's local tensor whose gradient, partial on each rank, is summed over `group`."""
-    return SumGradOver.apply(local_part(weight), group)
+def summed_local(weight: DTensor) -> torch.Tensor:
+    """A replicated weight's local tensor whose gradient, partial on each rank, is summed over its mesh."""
+    return SumGradOver.apply(local_part(weight), weight.device_mesh.get_group())
 
 
 def gather_sequence(x: DTensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -80,23 +82,21 @@ def scatter_sequence(partial: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 def local_linear(linear: nn.Linear, mesh: DeviceMesh, split: int | None) -> None:
     """Make `linear` compute with this rank's part of its weight: split 0 (its output features: this rank's
     columns, e.g. heads), 1 (its input features: a partial output) or None (replicated: the whole weight, whose
-    gradient is summed over the tp ranks)."""
-    group = mesh.get_group()
+    gradient is summed over the tp ranks). The forward is bound to the module (a deepcopy runs its own weights)."""
     linear.weight = replicate_param(linear.weight, mesh) if split is None else shard_param(linear.weight, mesh, split)
+    linear.summed = split is None
+    linear.forward = types.MethodType(_local_linear_forward, linear)  # type: ignore[method-assign]
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        weight = summed_local(linear.weight, group) if split is None else local_part(linear.weight)
-        return F.linear(x, weight)
 
-    linear.forward = forward  # type: ignore[method-assign]
+def _local_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, summed_local(self.weight) if self.summed else local_part(self.weight))
 
 
 def local_rms_norm(norm: nn.RMSNorm, mesh: DeviceMesh) -> None:
     """A replicated RMSNorm on a whole (plain) activation; its weight's partial gradient summed over the tp ranks."""
-    group = mesh.get_group()
     norm.weight = replicate_param(norm.weight, mesh)
+    norm.forward = types.MethodType(_local_rms_norm_forward, norm)  # type: ignore[method-assign]
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, norm.normalized_shape, summed_local(norm.weight, group), norm.eps)
 
-    norm.forward = forward  # type: ignore[method-assign]
+def _local_rms_norm_forward(self: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, self.normalized_shape, summed_local(self.weight), self.eps)
