@@ -6,6 +6,7 @@ step. Composition and validation only for the rest (each context is composed onc
 override as Hydra's compose does, to a copy).
 """
 
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -382,3 +383,24 @@ def test_the_cli_refuses_in_one_line(tmp_path):
     assert "cannot be written" in lines["hydra.run.dir=<unwritable>"]
     assert "train.seed=-1 must be >= 0" in lines["train.seed=-1 (CLI)"]
     assert "each block's input kept for the backward" in lines["train.global_batch_size=2**30"]
+
+
+def test_a_full_disk_at_start_is_one_line_naming_the_run_directory(tmp_path):
+    """A 16 KiB tmpfs, filled: the run directory exists but nothing can be written (skipped where mounting is not
+    allowed)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (disk / "run").mkdir()
+        with contextlib.suppress(OSError), open(disk / "fill", "wb") as fill:
+            fill.write(b"\0" * 65536)
+        proc = subprocess.run(
+            forge_cmd("train.steps=1", f"hydra.run.dir={disk / 'run'}"), cwd=ROOT, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        line = one_line(proc)
+        assert f"hydra.run.dir={disk / 'run'}" in line and "No space left on device" in line
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
