@@ -29,7 +29,7 @@ ShardWriter(out / "shards", np.dtype(np.uint16), 4).add(np.arange(4))
 if full:
     from forge.config.schema import EmbeddedDataConfig, options
     from forge.data.embedded import EmbeddedCorpus
-    from forge.model.vlm.encoder import build_tiny_encoder
+    from forge.models.vlm.encoder import build_tiny_encoder
 
     EmbeddedCorpus(**options(EmbeddedDataConfig, cache_dir=str(out / "cache")))
     build_tiny_encoder(out / "cache" / "encoder")

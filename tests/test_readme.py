@@ -138,7 +138,7 @@ def write_user_inputs(scratch: Path) -> None:
     """What a user brings: a jsonl corpus, captions with images, a local SigLIP folder, an image to ask about."""
     from forge.data.embedded import read_scenes
     from forge.data.tokenizer import package_dir
-    from forge.model.vlm.encoder import build_tiny_encoder
+    from forge.models.vlm.encoder import build_tiny_encoder
 
     (scratch / "corpus").mkdir()
     scenes = read_scenes()[:120]

@@ -3,7 +3,7 @@
     python -m benchmarks.attention.flex_vs_dense [--seqs 4096 8192] [--heads 8] [--head-dim 64] [--doc-len 512]
 
 One attention layer of packed documents (lengths drawn around --doc-len), built as forge's model builds it: the
-mask from the document ids (forge.model.attention: `dense_attention_mask` for SDPA, `flex_block_mask` for flex),
+mask from the document ids (forge.models.common.attention: `dense_attention_mask` for SDPA, `flex_block_mask` for flex),
 then `attend`. Each case runs in a fresh process, so its peak resident memory (VmHWM, reset after warm-up and
 compilation) is its own; the time is the median of --reps runs, mask included. Cases:
 - forward: no autograd; flex runs its compiled block-sparse kernel (CPU inference kernel of inductor).
@@ -54,7 +54,7 @@ def document_ids(seq: int, doc_len: int, seed: int = 0):
 def child(kernel: str, grad: bool, seq: int, heads: int, head_dim: int, doc_len: int, reps: int) -> dict:
     import torch
 
-    from forge.model.attention import DocumentMask, attend, layer_masks
+    from forge.models.common.attention import DocumentMask, attend, layer_masks
 
     torch.manual_seed(0)
     doc_ids = document_ids(seq, doc_len)

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from forge.model import TransformerArgs, build_transformer
+from forge.models.llama import TransformerArgs, build_transformer
 
 
 def main() -> None:

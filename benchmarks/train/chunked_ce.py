@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from forge.model import TransformerArgs, build_transformer
+from forge.models.llama import TransformerArgs, build_transformer
 from forge.train.losses import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from forge.train.precision import autocast, resolve_dtype
 

@@ -22,7 +22,7 @@ import torch
 
 from forge.metrics.flops import count_flops_per_token
 from forge.metrics.peak import measure_matmul_flops
-from forge.model import TransformerArgs, build_transformer
+from forge.models.llama import TransformerArgs, build_transformer
 from forge.parallel.plan import apply_compile
 from forge.train.compute_weights import ComputeWeights, scope
 from forge.train.losses import cross_entropy

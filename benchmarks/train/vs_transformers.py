@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, fo
 from benchmarks.machine import cpu_flags, gpu_note, synchronizer  # noqa: E402
 from benchmarks.train.mfu import parse_shape, peak_flops, shape_args  # noqa: E402
 from forge.metrics.flops import count_flops_per_token  # noqa: E402
-from forge.model import TransformerArgs, build_transformer  # noqa: E402
+from forge.models.llama import TransformerArgs, build_transformer  # noqa: E402
 from forge.parallel.plan import apply_compile  # noqa: E402
 from forge.train.compute_weights import ComputeWeights, scope  # noqa: E402
 from forge.train.host_malloc import ask_huge_pages, keep_heap  # noqa: E402

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, fo
 from benchmarks.machine import cpu_flags, synchronizer  # noqa: E402
 from benchmarks.train.mfu import shape_args  # noqa: E402
 from forge.metrics.memory import peak_live_tensor_bytes  # noqa: E402
-from forge.model import build_transformer  # noqa: E402
+from forge.models.llama import build_transformer  # noqa: E402
 from forge.train.losses import CrossEntropyLoss  # noqa: E402
 from forge.train.steps import TextStep  # noqa: E402
 

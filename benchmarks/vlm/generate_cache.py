@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from forge.config.schema import CrossAttentionVLMConfig, VLMConfig, options
-from forge.model.args import TransformerArgs
-from forge.model.vlm import CrossAttentionVLM, JointDecoderVLM, MoTVLM
-from forge.model.vlm.base import VLMCache
-from forge.model.vlm.encoder import build_tiny_encoder
+from forge.models.llama.args import TransformerArgs
+from forge.models.vlm import CrossAttentionVLM, JointDecoderVLM, MoTVLM
+from forge.models.vlm.base import VLMCache
+from forge.models.vlm.encoder import build_tiny_encoder
 from forge.parallel.init import materialize_sharded
 
 STRATEGIES = {"joint_decoder": JointDecoderVLM, "mot": MoTVLM, "cross_attention": CrossAttentionVLM}

@@ -3,10 +3,11 @@
     grad_clip: float = domain(1.0, ge=0)
     \"\"\"Clip the global gradient norm to this (0 disables clipping).\"\"\"
 
-`domain` is a dataclass field whose metadata holds a `Domain`: the schemas (forge.config.schema, forge.model.args,
-...) declare every field's range this way, forge.config.domains refuses a composed value outside it (one line
-naming the key, the value and the domain) before anything else reads the config, and `forge-train --help` prints
-it. Rules between fields stay in forge.config.validate. A leaf module: the model's argument dataclasses use it too.
+`domain` is a dataclass field whose metadata holds a `Domain`: the schemas (forge.config.schema,
+forge.models.llama.args, ...) declare every field's range this way, forge.config.domains refuses a composed value
+outside it (one line naming the key, the value and the domain) before anything else reads the config, and
+`forge-train --help` prints it. Rules between fields stay in forge.config.validate. A leaf module: the model's
+argument dataclasses use it too.
 """
 
 import copy

@@ -16,9 +16,9 @@ from forge.checkpoint import CheckpointError
 from forge.checkpoint.cli import main as forge_convert
 from forge.checkpoint.convert import save_as
 from forge.config import compose
-from forge.model import TransformerArgs
-from forge.model.args import MoEArgs, RopeScalingArgs
-from forge.model.transformer import build_transformer
+from forge.models.llama import TransformerArgs
+from forge.models.llama.args import MoEArgs, RopeScalingArgs
+from forge.models.llama.transformer import build_transformer
 from forge.train.trainer import Trainer
 from tests.checkpoint.test_convert import TINY
 

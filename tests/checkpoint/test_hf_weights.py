@@ -17,9 +17,9 @@ from forge.checkpoint import CheckpointError, hf_load
 from forge.checkpoint.hf_load import load_hf_into
 from forge.checkpoint.hf_save import save_run_hf
 from forge.config import compose
-from forge.model import TransformerArgs
-from forge.model.args import MoEArgs
-from forge.model.transformer import build_transformer
+from forge.models.llama import TransformerArgs
+from forge.models.llama.args import MoEArgs
+from forge.models.llama.transformer import build_transformer
 from forge.parallel.init import plain_name
 from forge.train.trainer import Trainer
 from tests.parallel.harness import launch

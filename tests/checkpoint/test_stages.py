@@ -8,8 +8,8 @@ import forge.config  # noqa: F401 - imported before forge.parallel, whose module
 from forge.checkpoint import CheckpointError
 from forge.checkpoint.compat import check_model_keys
 from forge.checkpoint.stages import rename, whole_model_keys, whole_model_names
-from forge.model.args import TransformerArgs
-from forge.model.transformer import build_transformer
+from forge.models.llama.args import TransformerArgs
+from forge.models.llama.transformer import build_transformer
 from forge.parallel.pipeline import build_stage_module
 
 

@@ -67,7 +67,7 @@ def test_the_walk_finds_the_targets():
     targets = {target for _, target in schema_targets()}
     for expected in (
         "forge.data.embedded.EmbeddedCorpus",
-        "forge.model.vlm.JointDecoderVLM",
+        "forge.models.vlm.JointDecoderVLM",
         "forge.train.losses.CrossEntropyLoss",
     ):
         assert expected in targets

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from forge.config import compose, conf_dir, validate
 from forge.config.schema import SCHEMAS, MemmapDataConfig, MuonOptimizerConfig, OptimizerConfig, VLMDataConfig
 from forge.config.validate import composed_from
-from forge.model.transformer import build_transformer
+from forge.models.llama.transformer import build_transformer
 from forge.train import build
 from tests.tiny import TINY_MODEL
 

@@ -4,8 +4,8 @@ import torch
 
 from forge.data.documents import document_ids, mask_boundary_labels
 from forge.data.loader import BatchLoader, TokenWindows
-from forge.model import Transformer, TransformerArgs
-from forge.model.attention import dense_attention_mask
+from forge.models.common.attention import dense_attention_mask
+from forge.models.llama import Transformer, TransformerArgs
 
 EOS = 0
 

@@ -20,7 +20,7 @@ from lm_eval.tasks import TaskManager
 from forge.checkpoint.convert import load_pretrained, save_as
 from forge.generate.lm_eval_adapter import ForgeLM, main
 from forge.generate.lm_eval_tasks import GEN, NEXT_LINE, PPL, TAG, write_tasks
-from forge.model import TransformerArgs, build_transformer
+from forge.models.llama import TransformerArgs, build_transformer
 
 DOCS = 8
 WINDOW = 64

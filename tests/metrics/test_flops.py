@@ -6,8 +6,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from forge.metrics.flops import count_flops_per_token, training_flops_per_token
-from forge.model.args import MoEArgs, TransformerArgs
-from forge.model.transformer import build_transformer
+from forge.models.llama.args import MoEArgs, TransformerArgs
+from forge.models.llama.transformer import build_transformer
 
 BATCH, SEQ = 2, 32
 

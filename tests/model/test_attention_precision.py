@@ -4,7 +4,7 @@ CPU_FP32_ATTENTION_MAX, where torch's bf16 CPU kernel is the slower), bf16 other
 import torch
 import torch.nn.functional as F
 
-from forge.model.attention import CPU_FP32_ATTENTION_MAX, attend
+from forge.models.common.attention import CPU_FP32_ATTENTION_MAX, attend
 
 
 def qkv(keys: int, head_dim: int) -> tuple[torch.Tensor, ...]:

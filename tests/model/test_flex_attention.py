@@ -17,8 +17,8 @@ import torch
 
 from forge.config import ConfigError, compose, validate
 from forge.data.documents import document_ids
-from forge.model.attention import DocumentMask, attend, flex_block_mask, layer_masks
-from forge.model.transformer import KVCache, Transformer, TransformerArgs
+from forge.models.common.attention import DocumentMask, attend, flex_block_mask, layer_masks
+from forge.models.llama.transformer import KVCache, Transformer, TransformerArgs
 from forge.train.trainer import Trainer
 from tests.tiny import TINY_MODEL, losses
 
@@ -148,7 +148,7 @@ def test_validation_refuses_in_one_line_naming_the_keys(overrides, keys):
 def test_block_masks_of_other_shapes_first_do_not_break_the_kernel():
     """A context-parallel part's mask, then the whole sequence's at another batch: the compiled create_block_mask
     recompiles per shape (static; with dynamic sizes inductor's CPU kernel failed to build in torch 2.13)."""
-    from forge.model.attention import flex_block_mask
+    from forge.models.common.attention import flex_block_mask
     from forge.parallel.context_parallel import chunk_positions, gathered_positions
 
     doc_ids = torch.arange(512).div(100, rounding_mode="floor")[None].expand(2, -1)

@@ -3,7 +3,7 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from forge.model import Transformer, TransformerArgs
+from forge.models.llama import Transformer, TransformerArgs
 
 
 def test_logits_match_transformers_llama():

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forge.model import MoEArgs, TransformerArgs, build_transformer
-from forge.model.moe import MoE, moe_metrics, router_losses, update_router_biases
-from forge.model.moe.experts import GroupedExperts, grouped_mm_available
-from forge.model.transformer import FeedForward
+from forge.models.llama import MoEArgs, TransformerArgs, build_transformer
+from forge.models.llama.moe import MoE, moe_metrics, router_losses, update_router_biases
+from forge.models.llama.moe.experts import GroupedExperts, grouped_mm_available
+from forge.models.llama.transformer import FeedForward
 
 DIM, HIDDEN = 16, 32
 

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from forge.model import RopeScalingArgs, Transformer, TransformerArgs, build_transformer
-from forge.model.rope import apply_rope, rope_frequencies, rope_tables
+from forge.models.common.rope import apply_rope, rope_frequencies, rope_tables
+from forge.models.llama import RopeScalingArgs, Transformer, TransformerArgs, build_transformer
 
 
 def small_args(**overrides) -> TransformerArgs:

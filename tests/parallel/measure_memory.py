@@ -13,8 +13,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from forge.config.degrees import Degrees
 from forge.metrics.memory import peak_live_tensor_bytes
-from forge.model import TransformerArgs
-from forge.model.transformer import build_transformer
+from forge.models.llama import TransformerArgs
+from forge.models.llama.transformer import build_transformer
 from forge.train.compute_weights import ComputeWeights
 from forge.train.losses import cross_entropy
 from forge.train.plan_report import estimate_memory

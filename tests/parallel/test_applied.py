@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from forge.config import compose
 from forge.config.degrees import Degrees
 from forge.config.schema import ParallelConfig
-from forge.model import Transformer, TransformerArgs
+from forge.models.llama import Transformer, TransformerArgs
 from forge.parallel.plan import parallelize
 from forge.train.plan_report import plan_report
 

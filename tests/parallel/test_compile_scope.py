@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from forge.config import ConfigError, compose, validate
-from forge.model import TransformerArgs, build_transformer
-from forge.model.args import MoEArgs
+from forge.models.llama import TransformerArgs, build_transformer
+from forge.models.llama.args import MoEArgs
 from forge.parallel.plan import apply_activation_checkpointing, apply_compile
 from tests.conftest import ROOT, forge_cmd, one_line
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from forge.data.embedded import read_scenes
-from forge.model.attention import DocumentMask, dense_attention_mask
+from forge.models.common.attention import DocumentMask, dense_attention_mask
 from forge.parallel.context_parallel import chunk_positions, gathered_positions
 from tests.parallel.harness import launch
 from tests.parallel.scenarios import run_scenarios
@@ -112,7 +112,7 @@ def test_chunks_balance_the_causal_work_and_cover_the_sequence():
 
 
 def test_a_parts_block_mask_allows_what_its_dense_mask_allows():
-    from forge.model.attention import flex_block_mask
+    from forge.models.common.attention import flex_block_mask
 
     doc_ids = torch.arange(512).div(100, rounding_mode="floor")[None].expand(2, -1)
     queries, keys = chunk_positions(512, 2, 1), gathered_positions(512, 2)
@@ -168,11 +168,11 @@ def test_presets_fill_any_even_world():
 
 
 def test_expanded_kv_heads_attend_as_grouped_ones():
-    """The masked CUDA path repeats the kv heads (forge.model.attention.attend): the same attention as SDPA's own
-    grouping, checked here on the CPU under a context-parallel part's mask."""
+    """The masked CUDA path repeats the kv heads (forge.models.common.attention.attend): the same attention as SDPA's
+    own grouping, checked here on the CPU under a context-parallel part's mask."""
     import torch.nn.functional as F
 
-    from forge.model.attention import expand_kv_heads
+    from forge.models.common.attention import expand_kv_heads
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 8, 6, 16, generator=gen), *torch.randn(2, 2, 2, 12, 16, generator=gen)

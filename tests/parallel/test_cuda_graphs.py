@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from forge.config import ConfigError, compose, validate
-from forge.model import TransformerArgs, build_transformer
+from forge.models.llama import TransformerArgs, build_transformer
 from forge.parallel.plan import apply_compile
 from tests.conftest import ROOT, forge_cmd, one_line
 from tests.tiny import TINY_MODEL

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from forge.config.degrees import Degrees
 from forge.config.schema import ParallelConfig
-from forge.model import Transformer, TransformerArgs
+from forge.models.llama import Transformer, TransformerArgs
 from forge.parallel.mesh import mesh_shape
 from forge.parallel.plan import fsdp_mesh, parallelize
 

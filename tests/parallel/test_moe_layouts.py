@@ -1,4 +1,4 @@
-"""MoE models and latent attention under tensor parallelism (forge.parallel.expert_tensor, latent_tensor), and MoE
+"""MoE models and latent attention under tensor parallelism (forge.models.llama.expert_tensor, latent_tensor), and MoE
 models under context parallelism (their balancing counts summed over the cp ranks), train like one process: the
 product's own example, `torchrun --nproc_per_node=4 -m forge.train model=moe parallel=tp4_fsdp`; tp2 / tp2 x fsdp2
 with the router kinds, aux-loss scopes, shared experts, capacity limits, activation checkpointing and

@@ -143,9 +143,9 @@ def test_activation_estimate_matches_what_autograd_saves_on_a_context_parallel_r
     import torch.nn.functional as F
 
     from forge.config.degrees import Degrees
-    from forge.model import TransformerArgs
-    from forge.model.attention import DocumentMask
-    from forge.model.transformer import Attention, build_transformer
+    from forge.models.common.attention import DocumentMask
+    from forge.models.llama import TransformerArgs
+    from forge.models.llama.transformer import Attention, build_transformer
     from forge.parallel.context_parallel import chunk_positions, gathered_positions
 
     batch, seq = 2, 512
@@ -178,9 +178,9 @@ def test_activation_estimate_matches_what_autograd_saves_under_latent_attention(
     import torch.nn.functional as F
 
     from forge.config.degrees import Degrees
-    from forge.model import TransformerArgs
-    from forge.model.args import MLAArgs
-    from forge.model.transformer import build_transformer
+    from forge.models.llama import TransformerArgs
+    from forge.models.llama.args import MLAArgs
+    from forge.models.llama.transformer import build_transformer
 
     batch, seq = 2, 512
     mla = MLAArgs(q_lora_rank=q_lora_rank, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from forge.config import compose
 from forge.metrics.memory import peak_live_tensor_bytes
-from forge.model import TransformerArgs, build_transformer
+from forge.models.llama import TransformerArgs, build_transformer
 from forge.train.compute_weights import ComputeWeights
 from forge.train.losses import CrossEntropyLoss
 from forge.train.steps import TextStep

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from forge.config import compose
-from forge.model.transformer import build_transformer
+from forge.models.llama.transformer import build_transformer
 from forge.train import build, losses
 from forge.train.losses import ChunkedCrossEntropyLoss, CrossEntropyLoss, rowwise_cross_entropy
 from forge.train.trainer import Trainer

@@ -8,7 +8,7 @@ from torch import nn
 
 from forge.config import compose
 from forge.config.schema import MuonOptimizerConfig, options
-from forge.model.transformer import build_transformer
+from forge.models.llama.transformer import build_transformer
 from forge.train import build
 from forge.train.optimizers.lion import Lion
 from forge.train.optimizers.muon import Muon, muon_with_adamw

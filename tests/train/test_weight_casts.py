@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from forge.config import compose
 from forge.metrics.memory import peak_live_tensor_bytes
-from forge.model import TransformerArgs, build_transformer
+from forge.models.llama import TransformerArgs, build_transformer
 from forge.parallel.plan import apply_activation_checkpointing
 from forge.train.losses import CrossEntropyLoss
 from forge.train.precision import holds_weight_casts

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from forge.model.args import TransformerArgs
-from forge.model.vlm.encoder import build_tiny_encoder
+from forge.models.llama.args import TransformerArgs
+from forge.models.vlm.encoder import build_tiny_encoder
 
 
 @pytest.fixture(scope="session")

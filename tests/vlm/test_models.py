@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from forge.config.schema import CrossAttentionVLMConfig, MoMaVLMConfig, VLMConfig, options
-from forge.model.transformer import Transformer
-from forge.model.vlm import CrossAttentionVLM, JointDecoderVLM, MoMaVLM, MoTVLM
-from forge.model.vlm.base import VLMCache
-from forge.model.vlm.connector import build_connector
-from forge.model.vlm.encoder import VisionTower, build_tiny_encoder, load_vision_tower
+from forge.models.llama.transformer import Transformer
+from forge.models.vlm import CrossAttentionVLM, JointDecoderVLM, MoMaVLM, MoTVLM
+from forge.models.vlm.base import VLMCache
+from forge.models.vlm.connector import build_connector
+from forge.models.vlm.encoder import VisionTower, build_tiny_encoder, load_vision_tower
 from forge.parallel.init import materialize_sharded
 from tests.vlm.conftest import media
 

@@ -21,7 +21,7 @@ from forge.checkpoint.hf import load_hf, save_hf
 from forge.checkpoint.layout import mark_complete, resolve_checkpoint, step_dir
 from forge.checkpoint.run_config import load_run_config
 from forge.checkpoint.untrusted import load_dcp
-from forge.model import Transformer, TransformerArgs
+from forge.models.llama import Transformer, TransformerArgs
 
 FORMATS = ("hf", "dcp", "torch", "safetensors")
 _ARGS_KEY = "forge_args"

@@ -25,7 +25,7 @@ from forge.checkpoint.hf_config import (
     rope_interleaved,
     rope_row_order,
 )
-from forge.model.args import TransformerArgs
+from forge.models.llama.args import TransformerArgs
 
 _LAYER_NAMES = {
     "self_attn.q_proj": "attention.wq",

@@ -21,7 +21,7 @@ import torch
 
 from forge.checkpoint.errors import CheckpointError
 from forge.domain import out_of_domain
-from forge.model.args import MLAArgs, MoEArgs, RopeScalingArgs, TransformerArgs
+from forge.models.llama.args import MLAArgs, MoEArgs, RopeScalingArgs, TransformerArgs
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from forge.checkpoint.hf_config import (
     rope_row_order,
 )
 from forge.checkpoint.stages import whole_model_keys, whole_model_names
-from forge.model import Transformer, TransformerArgs
+from forge.models.llama import Transformer, TransformerArgs
 from forge.parallel.init import plain_name
 
 log = logging.getLogger("forge")

@@ -23,7 +23,7 @@ from forge.checkpoint.hf import forge_to_hf_key
 from forge.checkpoint.hf_config import HFFamily, args_to_hf_config, family_of
 from forge.checkpoint.hf_load import decoder_args
 from forge.checkpoint.stages import whole_model_names
-from forge.model import Transformer
+from forge.models.llama import Transformer
 from forge.parallel.init import plain_name
 
 log = logging.getLogger("forge")

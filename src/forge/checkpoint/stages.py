@@ -9,7 +9,7 @@ Checkpoints store the unprefixed names, so a checkpoint written by any layout re
 import torch
 from torch import nn
 
-from forge.model.transformer import Transformer
+from forge.models.llama.transformer import Transformer
 
 
 def whole_model_keys(model: nn.Module) -> set[str] | None:

@@ -14,7 +14,7 @@ from omegaconf import MISSING, OmegaConf
 
 from forge.checkpoint.layout import MAX_STEP
 from forge.domain import Domain, domain
-from forge.model.args import TransformerArgs
+from forge.models.llama.args import TransformerArgs
 from forge.resilience.signals import CATCHABLE_SIGNALS
 from forge.search.settings import SearchSettings
 from forge.train.host_malloc import MAX_THRESHOLD_MIB
@@ -25,7 +25,7 @@ from forge.train.loss_options import ChunkedCrossEntropyOptions, CrossEntropyOpt
 class ModelConfig(TransformerArgs):
     """A Llama-style decoder (dense, or MoE when `moe` is set)."""
 
-    _target_: str = domain("forge.model.args.TransformerArgs", non_empty=True)
+    _target_: str = domain("forge.models.llama.args.TransformerArgs", non_empty=True)
 
 
 # A choice's name is its value: OmegaConf turns `parallel.pp_schedule=1f1b` into the member of that name.
@@ -508,7 +508,7 @@ class MetricsConfig:
 
 
 class Connector(StrEnum):
-    """VLMConfig.connector's choices (forge.model.vlm.connector)."""
+    """VLMConfig.connector's choices (forge.models.vlm.connector)."""
 
     linear = "linear"
     mlp = "mlp"

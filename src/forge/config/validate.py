@@ -14,7 +14,7 @@ from forge.config.schema import (
     VLMDataConfig,
 )
 from forge.domain import INT64_MAX
-from forge.model.args import TransformerArgs
+from forge.models.llama.args import TransformerArgs
 from forge.parallel.env import read_dist_env
 
 
@@ -566,7 +566,7 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
         cfg.model.get("attention_kind", "gqa") == "gqa",
         "model.attention_kind=mla is not supported with a VLM (its decoders build grouped-query attention)",
     )
-    from forge.model.vlm.connector import POOLING_CONNECTORS
+    from forge.models.vlm.connector import POOLING_CONNECTORS
 
     if vlm.connector in POOLING_CONNECTORS:
         _require(vlm.connector_tokens is not None, f"vlm.connector={vlm.connector} needs vlm.connector_tokens >= 1")
@@ -616,7 +616,8 @@ def validate_loss(cfg: DictConfig, degrees: Degrees) -> None:
 
 
 def validate_attention(cfg: DictConfig, degrees: Degrees) -> None:
-    """model.attention and model.sliding_window (forge.model.attention), and the paths that cannot carry them."""
+    """model.attention and model.sliding_window (forge.models.common.attention), and the paths that cannot carry
+    them."""
     model = cfg.model
     window = model.sliding_window
     pattern = list(window) if OmegaConf.is_list(window) else [window]

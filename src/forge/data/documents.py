@@ -1,7 +1,7 @@
 """Packed samples with document boundaries: document ids and masked labels.
 
 A sample is a window of the flat token stream, so it may hold several documents separated by EOS. The EOS token
-belongs to the document it ends. The model turns the ids into its attention masks (forge.model.attention).
+belongs to the document it ends. The model turns the ids into its attention masks (forge.models.common.attention).
 """
 
 import torch

@@ -6,7 +6,7 @@ import torch
 from forge.data.documents import document_ids, mask_boundary_labels
 from forge.data.order import EpochOrder
 from forge.data.sources import DataError
-from forge.model.attention import DocumentMask
+from forge.models.common.attention import DocumentMask
 
 
 def split_sample(samples: torch.Tensor, document_eos: int | None):

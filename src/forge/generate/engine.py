@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from forge.generate.sampling import next_token
-from forge.model.transformer import KVCache
+from forge.models.llama.transformer import KVCache
 
 
 def _left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

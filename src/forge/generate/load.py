@@ -13,7 +13,7 @@ from forge.checkpoint.errors import CheckpointError
 from forge.checkpoint.layout import resolve_checkpoint
 from forge.checkpoint.run_config import load_run_config
 from forge.data.tokenizer import eos_id_of, load_tokenizer
-from forge.model import Transformer
+from forge.models.llama import Transformer
 
 
 @dataclass

@@ -20,7 +20,7 @@ from forge.checkpoint.run_config import load_run_config
 from forge.checkpoint.untrusted import load_dcp
 from forge.data.vlm.dataset import MediaRecord
 from forge.generate.sampling import next_token
-from forge.model.vlm.base import VLMCache
+from forge.models.vlm.base import VLMCache
 
 
 def load_vlm(source: str | Path, device: torch.device):

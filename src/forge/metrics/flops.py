@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from forge.model.args import TransformerArgs
+from forge.models.llama.args import TransformerArgs
 
 
 @dataclass

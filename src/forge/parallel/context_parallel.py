@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from forge.model.attention import DocumentMask
-from forge.model.latent_attention import LatentAttention
-from forge.model.transformer import Attention
+from forge.models.common.attention import DocumentMask
+from forge.models.llama.latent_attention import LatentAttention
+from forge.models.llama.transformer import Attention
 from forge.parallel.applied import Applied, logged
 
 

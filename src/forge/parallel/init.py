@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-from forge.model.init_spec import fill_piece_
+from forge.models.common.init_spec import fill_piece_
 
 # Wrappers that the plan adds around blocks; stripped to match the plain model's names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -43,7 +43,7 @@ def materialize_sharded(model: nn.Module, plain: nn.Module, seed: int, device) -
     `plain` is the whole model unparallelized on the meta device (it costs nothing; a model whose plan keeps its
     parameter names, as a VLM's does, may be its own `plain`); its `init_specs` say how each parameter starts.
     Tensors already real (a VLM's pretrained vision tower, loaded from its folder) are kept; every meta one must
-    have a spec. Each value is a function of (seed, name, row block) only (forge.model.init_spec), so a rank
+    have a spec. Each value is a function of (seed, name, row block) only (forge.models.common.init_spec), so a rank
     draws the row blocks its shard overlaps, on the CPU, and copies its columns into the local tensor: no
     collective (it works under a fake process group), host memory of one block beyond the shards, and about this
     rank's share of the random numbers. A pipeline stage fills the parameters it holds.

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from forge.config.degrees import Degrees
 from forge.config.schema import PPSchedule
-from forge.model.transformer import Transformer
+from forge.models.llama.transformer import Transformer
 from forge.parallel.applied import Applied, logged
 from forge.parallel.init import materialize_sharded
 

@@ -21,12 +21,12 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from forge.config.degrees import Degrees
 from forge.config.schema import ActivationCheckpoint, CompileScope
-from forge.model.moe import moe_layers
+from forge.models.llama.moe import moe_layers
+from forge.models.llama.parallelize import apply_tensor_parallel
 from forge.parallel.applied import Applied, logged
 from forge.parallel.context_parallel import apply_context_parallel
 from forge.parallel.expert import local_part, shard_experts, sum_load_over, sum_sequence_counts_over
 from forge.parallel.mesh import expert_fsdp_mesh, has_dp_shard, submesh, token_mesh
-from forge.parallel.tensor_parallel import apply_tensor_parallel
 
 # Selective checkpointing keeps these ops' outputs and recomputes the cheap rest (norms, activations, rope).
 SAVE_OPS = {

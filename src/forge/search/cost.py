@@ -25,7 +25,7 @@ head, on the last stage) from forge.metrics.flops:
     cp         = n x blocks x (2, or 3 with full or selective checkpointing: selective recomputes the
                  collective too) passes over the keys and values (all-gathers forward and in the recompute,
                  reduce-scatters of their gradients backward) of micro x seq_len x
-                 kv_width / tp elements (keys plus values per token: forge.model.args), (cp - 1) / cp of them per
+                 kv_width / tp elements (keys plus values per token: forge.models.llama.args), (cp - 1) / cp of them per
                  rank, not hidden (attention waits on them)
     ep         = n x MoE blocks x (4, or 6) all-to-alls of micro x seq_len x top_k x dim, (ep - 1) / ep of them
     pp p2p     = T / dp x dim activations sent per stage boundary and direction (forward from all but the last
@@ -149,7 +149,7 @@ class ModelShape:
     @classmethod
     def of(cls, model) -> "ModelShape":
         """From a model on the meta device."""
-        from forge.model.moe import moe_layers
+        from forge.models.llama.moe import moe_layers
 
         blocks = [sum(p.numel() for p in block.parameters()) for block in model.layers.values()]
         experts = [

@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from forge.data import Corpus, Loader
-from forge.model import Transformer, TransformerArgs
+from forge.models.llama import Transformer, TransformerArgs
 from forge.train.optim import param_groups
 
 log = logging.getLogger("forge")

@@ -70,7 +70,7 @@ from omegaconf import DictConfig, OmegaConf
 from forge.config import validate
 from forge.config.degrees import Degrees, resolve_degrees
 from forge.metrics.flops import attention_flops
-from forge.model.args import TransformerArgs
+from forge.models.llama.args import TransformerArgs
 from forge.parallel.applied import Applied
 from forge.train.plan_flags import PLAN_OPTIONS
 
@@ -122,7 +122,7 @@ def block_activation_elems(args) -> float:
 
 def saved_kv_width(args) -> float:
     """Elements per token of one layer's keys and values as SDPA keeps them (MLA's values padded to the query
-    width, forge.model.latent_attention)."""
+    width, forge.models.llama.latent_attention)."""
     if args.attention_kind != "mla":
         return args.kv_width
     m = args.mla
@@ -133,7 +133,7 @@ def saved_kv_width(args) -> float:
 def mla_activation_elems(args) -> float:
     """Per token, what latent attention keeps past the norms' outputs: the q latent and its norm, the kv latent
     and its norm, SDPA's per-head queries, keys, values and output (the values and output padded to the query
-    width when narrower, forge.model.latent_attention) and the output fed to wo."""
+    width when narrower, forge.models.llama.latent_attention) and the output fed to wo."""
     m, heads = args.mla, args.n_heads
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     sdpa_value = max(qk, m.v_head_dim)
@@ -280,7 +280,7 @@ def grads_at_peak(
 
 
 def uses_dense_masks(cfg: DictConfig) -> bool:
-    """SDPA runs under a boolean mask: documents or a sliding window without flex (forge.model.attention)."""
+    """SDPA runs under a boolean mask: documents or a sliding window without flex (forge.models.common.attention)."""
     window = cfg.model.get("sliding_window")
     windowed = any(w is not None for w in (list(window) if OmegaConf.is_list(window) else [window]))
     documents = bool(cfg.data.get("document_masking", False))
@@ -304,7 +304,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
     """The report printed by `forge-train --plan`; with `materialize`, rank 0's shards are also allocated on the CPU
     and initialised as a real run would, and a line says their bytes, the seconds and the host memory it took."""
     from forge.metrics.flops import count_flops_per_token
-    from forge.model.moe import moe_layers
+    from forge.models.llama.moe import moe_layers
     from forge.parallel.mesh import build_mesh, mesh_shape
     from forge.parallel.pipeline import build_stage_module, first_and_last_group, stages_per_rank
     from forge.parallel.plan import count_local_parameters, parallelize
@@ -440,7 +440,7 @@ def init_line(parts: list, local: int, args: TransformerArgs) -> str:
     at a time from row blocks drawn on the host (forge.parallel.init). Beyond them the host holds the larger of one
     parameter's scratch (two fp32 blocks, and up to four boolean masks of a block for a truncated normal) and the rotary
     tables while they are computed (the angles, cos and sin: three fp32 tables)."""
-    from forge.model.init_spec import scratch_elements
+    from forge.models.common.init_spec import scratch_elements
 
     scratch = 4 * max(scratch_elements(p.shape) for part in parts for p in part.parameters())
     tables = 3 * 4 * args.max_seq_len * args.rope_dim
@@ -487,7 +487,7 @@ def materialize_rank0(cfg: DictConfig, parts: list, degrees: Degrees) -> str:
 
 def _expert_line(args, degrees: Degrees, model, local: int, local_experts: int) -> str:
     """Where the routed experts live: the ep split and this rank's share of the expert weights."""
-    from forge.model.moe import moe_layers
+    from forge.models.llama.moe import moe_layers
 
     experts = sum(layer.experts.w1.numel() * 3 for _, layer in moe_layers(model))  # global shapes, DTensor or not
     num = args.moe.num_experts

@@ -1,5 +1,5 @@
 """The tensor-parallel plan of the Llama decoder: Megatron-style column/row splits with sequence parallel norms; MoE
-feed-forward layers split each expert's hidden width (forge.parallel.expert_tensor)."""
+feed-forward layers split each expert's hidden width (forge.models.llama.expert_tensor)."""
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -11,13 +11,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from forge.model.feed_forward import FeedForward
-from forge.model.latent_attention import LatentAttention
-from forge.model.moe import MoE
-from forge.model.transformer import Transformer
+from forge.models.llama.expert_tensor import apply_moe_tensor_parallel
+from forge.models.llama.feed_forward import FeedForward
+from forge.models.llama.latent_attention import LatentAttention
+from forge.models.llama.latent_tensor import apply_latent_tensor_parallel
+from forge.models.llama.moe import MoE
+from forge.models.llama.transformer import Transformer
 from forge.parallel.applied import Applied, logged
-from forge.parallel.expert_tensor import apply_moe_tensor_parallel
-from forge.parallel.latent_tensor import apply_latent_tensor_parallel
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:

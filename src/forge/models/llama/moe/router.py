@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from forge.model.args import RouterKind
-from forge.model.init_spec import ZEROS, InitSpec, apply_specs, trunc_normal
+from forge.models.common.init_spec import ZEROS, InitSpec, apply_specs, trunc_normal
+from forge.models.llama.args import RouterKind
 
 
 @dataclass

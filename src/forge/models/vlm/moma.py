@@ -13,11 +13,11 @@ import math
 import torch
 from torch import nn
 
-from forge.model.args import TransformerArgs
-from forge.model.feed_forward import FeedForward
-from forge.model.init_spec import InitSpec, prefixed, trunc_normal
-from forge.model.transformer import TransformerBlock
-from forge.model.vlm.base import PrefixVLM, VisionLanguageModel
+from forge.models.common.init_spec import InitSpec, prefixed, trunc_normal
+from forge.models.llama.args import TransformerArgs
+from forge.models.llama.feed_forward import FeedForward
+from forge.models.llama.transformer import TransformerBlock
+from forge.models.vlm.base import PrefixVLM, VisionLanguageModel
 
 
 class ExpertChoiceGroup(nn.Module):

@@ -1,5 +1,5 @@
-"""Tensor parallelism of multi-head latent attention (forge.model.latent_attention), as DeepSeek-V3's published TP
-plans split it: the heads over the tp ranks (the query's up-projection wq_b or wq, the latent's expansion wkv_b by
+"""Tensor parallelism of multi-head latent attention (forge.models.llama.latent_attention), as DeepSeek-V3's published
+TP plans split it: the heads over the tp ranks (the query's up-projection wq_b or wq, the latent's expansion wkv_b by
 their output rows, wo by its input columns), the low-rank down-projections wq_a and wkv_a, their norms and so the
 shared rotary key replicated (each rank computes them whole from the all-gathered sequence; their weights' partial
 gradients are summed over the tp ranks). The attention's output is each rank's partial sum, reduce-scattered back
@@ -8,7 +8,7 @@ along the sequence (forge.parallel.local_tp). The attention code itself is uncha
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from forge.model.latent_attention import LatentAttention
+from forge.models.llama.latent_attention import LatentAttention
 from forge.parallel.local_tp import gather_sequence, local_linear, local_rms_norm, scatter_sequence
 
 

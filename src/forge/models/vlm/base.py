@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from forge.model.args import TransformerArgs
-from forge.model.init_spec import InitSpec, prefixed
-from forge.model.transformer import KVCache, Transformer
-from forge.model.vlm.connector import build_connector, connector_init_specs
-from forge.model.vlm.encoder import VisionTower, build_tiny_encoder, load_vision_tower
+from forge.models.common.init_spec import InitSpec, prefixed
+from forge.models.llama.args import TransformerArgs
+from forge.models.llama.transformer import KVCache, Transformer
+from forge.models.vlm.connector import build_connector, connector_init_specs
+from forge.models.vlm.encoder import VisionTower, build_tiny_encoder, load_vision_tower
 
 
 def time_embedding(times: torch.Tensor, dim: int) -> torch.Tensor:
@@ -113,7 +113,7 @@ class VisionLanguageModel(nn.Module):
     def init_specs(self) -> dict[str, InitSpec]:
         """How each parameter (and initialised buffer) outside the pretrained vision tower starts, by plain name:
         the decoder's, the connector's and the strategy's own. Each value is then a function of (seed, name, row
-        block) (forge.model.init_spec), so one process and every FSDP shard start from the same weights, and a
+        block) (forge.models.common.init_spec), so one process and every FSDP shard start from the same weights, and a
         rank built on the meta device fills only its shards (forge.parallel.init.materialize_sharded)."""
         return (
             prefixed("decoder", self.decoder.init_specs())

@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge.model.args import TransformerArgs
-from forge.model.init_spec import InitSpec, prefixed
-from forge.model.rope import apply_rope
-from forge.model.transformer import KVCache, TransformerBlock
-from forge.model.vlm.base import PrefixVLM
+from forge.models.common.init_spec import InitSpec, prefixed
+from forge.models.common.rope import apply_rope
+from forge.models.llama.args import TransformerArgs
+from forge.models.llama.transformer import KVCache, TransformerBlock
+from forge.models.vlm.base import PrefixVLM
 
 
 def mot_block(

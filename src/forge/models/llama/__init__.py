@@ -3,8 +3,10 @@
 The model's arguments import without torch (the config schemas extend them); the model is imported on first use."""
 
 from forge.lazy import lazy_exports
-from forge.model.args import MoEArgs, RopeScalingArgs, TransformerArgs
+from forge.models.llama.args import MoEArgs, RopeScalingArgs, TransformerArgs
 
 __all__ = ["MoEArgs", "RopeScalingArgs", "Transformer", "TransformerArgs", "build_transformer"]
 
-__getattr__ = lazy_exports(__name__, {name: "forge.model.transformer" for name in ("Transformer", "build_transformer")})
+__getattr__ = lazy_exports(
+    __name__, {name: "forge.models.llama.transformer" for name in ("Transformer", "build_transformer")}
+)

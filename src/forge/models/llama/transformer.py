@@ -10,14 +10,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from forge.model.args import TransformerArgs
-from forge.model.attention import DocumentMask, Mask, attend, layer_masks, layer_window, visible_keys
-from forge.model.feed_forward import FeedForward
-from forge.model.init_spec import ONES, InitSpec, apply_specs, fill_piece_, prefixed, trunc_normal
-from forge.model.latent_attention import LatentAttention
-from forge.model.moe import MoE
-from forge.model.moe.experts import GroupedExperts
-from forge.model.rope import apply_rope, rope_tables
+from forge.models.common.attention import DocumentMask, Mask, attend, layer_masks, layer_window, visible_keys
+from forge.models.common.init_spec import ONES, InitSpec, apply_specs, fill_piece_, prefixed, trunc_normal
+from forge.models.common.rope import apply_rope, rope_tables
+from forge.models.llama.args import TransformerArgs
+from forge.models.llama.feed_forward import FeedForward
+from forge.models.llama.latent_attention import LatentAttention
+from forge.models.llama.moe import MoE
+from forge.models.llama.moe.experts import GroupedExperts
 
 
 class KVCache:
@@ -41,7 +41,7 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings, through SDPA or FlexAttention (forge.model.attention)."""
+    """Grouped-query attention with rotary embeddings, through SDPA or FlexAttention (forge.models.common.attention)."""
 
     def __init__(self, args: TransformerArgs):
         super().__init__()
@@ -177,7 +177,7 @@ class Transformer(nn.Module):
 
     def init_specs(self) -> dict[str, InitSpec]:
         """How each parameter this part holds starts, by plain name (and the buffers initialisation sets, such as
-        MoE router biases); see forge.model.init_spec."""
+        MoE router biases); see forge.models.common.init_spec."""
         args = self.args
         std, out_std = self.block_stds()
         specs: dict[str, InitSpec] = {}
@@ -210,10 +210,10 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """(Re)initialise every parameter and buffer in place; call after `to_empty` from the meta device.
 
-        With `seed`, each value is a function of (seed, plain parameter name, row block) (forge.model.init_spec), so
-        a parameter gets the same values whether the whole model, one pipeline stage, an expert slice or a shard of
-        any parallel layout is filled (forge.parallel.init). Without, the units draw in turn from the global
-        generator.
+        With `seed`, each value is a function of (seed, plain parameter name, row block)
+        (forge.models.common.init_spec), so a parameter gets the same values whether the whole model, one pipeline
+        stage, an expert slice or a shard of any parallel layout is filled (forge.parallel.init). Without, the units
+        draw in turn from the global generator.
         """
         self.init_buffers()
         self.tie_weights()  # to_empty() re-created the shared matrix once per module: tie again
@@ -249,8 +249,9 @@ class Transformer(nn.Module):
 
         attn_mask: optional boolean (batch, 1, seq, seq), True where attention is allowed (already causal); with a
         cache it spans (batch, 1, seq, cached + seq). Or the DocumentMask of packed samples, from which each layer's
-        mask is built for args.attention and the layer's sliding window (forge.model.attention); one with `queries`
-        says which positions of the whole sequences `tokens` are (context parallelism), and sets their positions.
+        mask is built for args.attention and the layer's sliding window (forge.models.common.attention); one with
+        `queries` says which positions of the whole sequences `tokens` are (context parallelism), and sets their
+        positions.
         cache: a KVCache to read past keys/values from and append these positions to (incremental decoding).
         positions: optional (batch, seq) rotary positions; default cache.length + 0..seq-1 (0.. without a cache).
         head: False returns the final-norm hidden states instead of logits (a chunked loss applies the head).

@@ -22,14 +22,14 @@ class RopeScalingArgs:
 
 
 class RouterKind(StrEnum):
-    """MoEArgs.router's choices (forge.model.moe.router)."""
+    """MoEArgs.router's choices (forge.models.llama.moe.router)."""
 
     softmax_topk = "softmax_topk"
     sigmoid_topk = "sigmoid_topk"
 
 
 class AuxLossScope(StrEnum):
-    """MoEArgs.aux_loss_scope's choices (forge.model.moe.layer)."""
+    """MoEArgs.aux_loss_scope's choices (forge.models.llama.moe.layer)."""
 
     micro_batch = "micro_batch"
     sequence = "sequence"
@@ -90,7 +90,7 @@ class MoEArgs:
 
 
 class AttentionBackend(StrEnum):
-    """TransformerArgs.attention's choices (forge.model.attention runs them)."""
+    """TransformerArgs.attention's choices (forge.models.common.attention runs them)."""
 
     sdpa = "sdpa"
     flex = "flex"
@@ -105,8 +105,8 @@ class AttentionKind(StrEnum):
 
 @dataclass
 class MLAArgs:
-    """Multi-head latent attention (DeepSeek-V2 / V3; forge.model.latent_attention), used under attention_kind=mla.
-    The defaults are DeepSeek-V3's."""
+    """Multi-head latent attention (DeepSeek-V2 / V3; forge.models.llama.latent_attention), used under
+    attention_kind=mla. The defaults are DeepSeek-V3's."""
 
     q_lora_rank: int = domain(1536, ge=0, means="0: one full wq")
     """Rank of the query's low-rank pair (wq_a, normed, then wq_b); 0 projects queries with one full wq."""

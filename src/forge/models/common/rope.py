@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from forge.model.args import RopeScalingArgs
+from forge.models.llama.args import RopeScalingArgs
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingArgs | None) -> torch.Tensor:

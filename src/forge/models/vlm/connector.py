@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge.model.init_spec import ONES, ZEROS, InitSpec, trunc_normal
+from forge.models.common.init_spec import ONES, ZEROS, InitSpec, trunc_normal
 
 POOLING_CONNECTORS = ("avgpool", "attnpool")
 """Connectors that reduce an image's tokens to vlm.connector_tokens."""

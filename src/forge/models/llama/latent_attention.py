@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge.model.args import MLAArgs, TransformerArgs
-from forge.model.attention import Mask, attend, visible_keys
-from forge.model.init_spec import ONES, InitSpec, apply_specs, trunc_normal
-from forge.model.rope import apply_rope
+from forge.models.common.attention import Mask, attend, visible_keys
+from forge.models.common.init_spec import ONES, InitSpec, apply_specs, trunc_normal
+from forge.models.common.rope import apply_rope
+from forge.models.llama.args import MLAArgs, TransformerArgs
 
 LATENT_NORM_EPS = 1e-6
 
@@ -46,7 +46,7 @@ class LatentAttention(nn.Module):
         self.kv_a_norm = nn.RMSNorm(self.kv_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_rank, heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, args.dim, bias=False)
-        # set by context parallelism, as on forge.model.transformer.Attention
+        # set by context parallelism, as on forge.models.llama.transformer.Attention
         self.gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:

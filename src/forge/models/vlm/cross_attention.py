@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge.model.args import TransformerArgs
-from forge.model.feed_forward import FeedForward
-from forge.model.init_spec import ONES, ZEROS, InitSpec, prefixed, trunc_normal
-from forge.model.vlm.base import VisionLanguageModel, VLMCache
+from forge.models.common.init_spec import ONES, ZEROS, InitSpec, prefixed, trunc_normal
+from forge.models.llama.args import TransformerArgs
+from forge.models.llama.feed_forward import FeedForward
+from forge.models.vlm.base import VisionLanguageModel, VLMCache
 
 
 class GatedCrossAttentionBlock(nn.Module):

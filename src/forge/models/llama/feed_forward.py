@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge.model.init_spec import InitSpec, apply_specs, trunc_normal
+from forge.models.common.init_spec import InitSpec, apply_specs, trunc_normal
 
 
 class FeedForward(nn.Module):

@@ -2,7 +2,7 @@
 
 import torch
 
-from forge.model.vlm.base import PrefixVLM
+from forge.models.vlm.base import PrefixVLM
 
 
 class JointDecoderVLM(PrefixVLM):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge.model.init_spec import InitSpec, trunc_normal
+from forge.models.common.init_spec import InitSpec, trunc_normal
 
 WeightView = Callable[[torch.Tensor], torch.Tensor]
 """Maps a stacked expert weight to the plain tensor of this process's experts (expert parallelism passes one)."""
