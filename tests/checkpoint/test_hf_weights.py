@@ -78,6 +78,7 @@ def load_and_compare(overrides: list[str], root: str, folder: Path, tokens, want
     hf_load.HFWeights.read = recording  # this forked rank's copy of the module only
     trainer = Trainer(compose([*overrides, "checkpoint.resume=none"]), Path(root))
     trainer.checkpointer.load_weights(str(folder), trainer.model)
+    warm = list(reads)  # the warm start's; the one-process reference below reads through HFWeights too
     held = local_numel(trainer.model)  # before any forward: FSDP leaves the root unsharded after one
     if trainer.pipeline is None:
         with torch.no_grad():
@@ -91,9 +92,9 @@ def load_and_compare(overrides: list[str], root: str, folder: Path, tokens, want
         diff = max((value - reference[plain_name(key)]).abs().max().item() for key, value in held_weights)
     return {
         "diff": diff,
-        "read": sum(n for _, n, _ in reads),
+        "read": sum(n for _, n, _ in warm),
         "held": held,
-        "whole_reads": sorted(name for name, n, whole in reads if n == whole),
+        "whole_reads": sorted(name for name, n, whole in warm if n == whole),
     }
 
 

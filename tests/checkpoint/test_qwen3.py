@@ -21,12 +21,12 @@ import forge
 from forge.checkpoint import CheckpointError
 from forge.checkpoint.cli import main as forge_convert
 from forge.checkpoint.convert import save_as
-from forge.checkpoint.hf_config import args_to_hf_config, hf_config_to_args
 from forge.checkpoint.hf_load import load_hf_into
 from forge.checkpoint.hf_save import save_hf_from
 from forge.config import compose
 from forge.models.llama import TransformerArgs
 from forge.models.llama.args import MoEArgs
+from forge.models.llama.hf_config import args_to_hf_config, hf_config_to_args
 from forge.models.llama.transformer import KVCache, build_transformer
 from forge.train.plan_report import plan_report
 from forge.train.trainer import Trainer

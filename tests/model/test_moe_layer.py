@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from forge.models.common.moe import MoE, moe_metrics, router_losses, update_router_biases
+from forge.models.common.moe.experts import GroupedExperts, grouped_mm_available
 from forge.models.llama import MoEArgs, TransformerArgs, build_transformer
-from forge.models.llama.moe import MoE, moe_metrics, router_losses, update_router_biases
-from forge.models.llama.moe.experts import GroupedExperts, grouped_mm_available
 from forge.models.llama.transformer import FeedForward
 
 DIM, HIDDEN = 16, 32

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from forge.models.llama.moe.dispatch import assign, expert_capacity
-from forge.models.llama.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
-from forge.models.llama.moe.router import Router
+from forge.models.common.moe.dispatch import assign, expert_capacity
+from forge.models.common.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
+from forge.models.common.moe.router import Router
 
 
 def router_with_logits(kind: str, logits: torch.Tensor, top_k: int) -> Router:

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from forge.models.common.moe import router_losses
 from forge.models.llama import MoEArgs, Transformer, TransformerArgs, build_transformer
-from forge.models.llama.moe import router_losses
 from forge.parallel.expert import apply_expert_parallel
 
 WORLD = 2

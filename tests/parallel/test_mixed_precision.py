@@ -155,7 +155,7 @@ def test_a_pipeline_keeps_gradients_sharded_between_chunks_unless_deferred(tmp_p
 def run_deferred_estimate(overrides: list[str], root: str) -> dict:
     """The gradient bytes a rank holds between deferred micro-batches, beside what --plan's estimate counts."""
     from forge.config.degrees import resolve_degrees
-    from forge.models.llama.moe.balance import moe_layers
+    from forge.models.common.moe.balance import moe_layers
     from forge.parallel.dist import is_main_process
     from forge.parallel.plan import count_local_parameters
     from forge.train.plan_report import estimate_memory

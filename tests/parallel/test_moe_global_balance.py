@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from forge.models.common.moe import MoE
 from forge.models.llama import MoEArgs
-from forge.models.llama.moe import MoE
 from forge.parallel.expert import sum_load_over
 from tests.parallel.harness import launch
 

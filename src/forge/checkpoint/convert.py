@@ -1,7 +1,8 @@
 """Read a model from any supported source and write it to any supported format.
 
 Sources: a run directory (its latest checkpoint), a DCP checkpoint folder, a consolidated torch or safetensors file,
-or a Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE folder. Targets: hf, dcp, torch, safetensors.
+or a Hugging Face folder of a family with an adapter (Llama, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3,
+GPT-2, ...). Targets: hf, dcp, torch, safetensors.
 """
 
 import dataclasses
@@ -15,43 +16,52 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from forge.checkpoint.errors import CheckpointError
 from forge.checkpoint.hf import load_hf, save_hf
 from forge.checkpoint.layout import mark_complete, resolve_checkpoint, step_dir
 from forge.checkpoint.run_config import load_run_config
 from forge.checkpoint.untrusted import load_dcp
-from forge.models.llama import Transformer, TransformerArgs
+from forge.models.spec import known_spec, spec_of
 
 FORMATS = ("hf", "dcp", "torch", "safetensors")
 _ARGS_KEY = "forge_args"
+DEFAULT_TARGET = "forge.models.llama.args.TransformerArgs"
+"""What a config without a model._target_ builds (configs saved before the model families had one)."""
 
 
-def args_from_dict(model_cfg: dict) -> TransformerArgs:
-    fields = {f.name for f in dataclasses.fields(TransformerArgs)}
-    return TransformerArgs(**{k: v for k, v in model_cfg.items() if k in fields})
+def args_from_dict(model_cfg: dict, source: Path):
+    """The model arguments of a checkpoint's `model` config, in the family its `_target_` names (one of forge's:
+    the file is untrusted, nothing is imported from it)."""
+    target = model_cfg.get("_target_", DEFAULT_TARGET)
+    spec = known_spec(target)
+    if spec is None:
+        raise CheckpointError(f"{source}: model._target_={target!r} is not one of forge's model families")
+    fields = {f.name for f in dataclasses.fields(spec.args)}
+    return spec.args(**{k: v for k, v in model_cfg.items() if k in fields})
 
 
-def empty_model(args: TransformerArgs) -> Transformer:
+def empty_model(args) -> nn.Module:
     with torch.device("meta"):
-        model = Transformer(args)
+        model = spec_of(args).build(args)
     model.to_empty(device="cpu")
     model.init_weights()
     return model
 
 
-def _load_dcp(path: Path) -> tuple[dict, TransformerArgs, Path]:
+def _load_dcp(path: Path) -> tuple[dict, object, Path]:
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise CheckpointError(f"checkpoint {path} has no config.yaml to build the model from")
-    args = args_from_dict(yaml.safe_load(config_file.read_text())["model"])
+    args = args_from_dict(yaml.safe_load(config_file.read_text())["model"], config_file)
     model = empty_model(args)
     state = {"model": model.state_dict()}
     load_dcp(state, path)
     return state["model"], args, path
 
 
-def load_any(source: str | Path) -> tuple[dict[str, torch.Tensor], TransformerArgs, Path | None]:
+def load_any(source: str | Path) -> tuple[dict[str, torch.Tensor], object, Path | None]:
     """(state dict in forge names, model args, the checkpoint folder when the source was DCP)."""
     src = Path(source).expanduser()
     if not src.exists():
@@ -70,11 +80,11 @@ def load_any(source: str | Path) -> tuple[dict[str, torch.Tensor], TransformerAr
             raise CheckpointError(f"cannot read {src}: {err}") from err
         if not isinstance(blob, dict) or "model" not in blob or "args" not in blob:
             raise CheckpointError(f"{src} is not a consolidated forge file (expected keys 'model' and 'args')")
-        return blob["model"], args_from_dict(blob["args"]), None
+        return blob["model"], args_from_dict(blob["args"], src), None
     return _load_dcp(resolve_checkpoint(src))
 
 
-def _load_safetensors(src: Path) -> tuple[dict[str, torch.Tensor], TransformerArgs]:
+def _load_safetensors(src: Path) -> tuple[dict[str, torch.Tensor], object]:
     """A consolidated safetensors file that forge-convert wrote (its model args in the metadata)."""
     try:
         with safe_open(str(src), framework="pt") as f:
@@ -85,7 +95,7 @@ def _load_safetensors(src: Path) -> tuple[dict[str, torch.Tensor], TransformerAr
     except SafetensorError as err:
         raise CheckpointError(f"{src} is not a readable safetensors file ({err})") from None
     try:
-        return state, args_from_dict(json.loads(meta[_ARGS_KEY]))
+        return state, args_from_dict(json.loads(meta[_ARGS_KEY]), src)
     except (ValueError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{src}: its '{_ARGS_KEY}' metadata is not forge model args ({err})") from None
 
@@ -112,8 +122,8 @@ def _copy_tokenizer(checkpoint: Path | None, source: Path, dst: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=corpus.tokenizer, eos_token=EOS).save_pretrained(dst)
 
 
-def save_as(fmt: str, state: dict[str, torch.Tensor], args: TransformerArgs, dst: Path) -> None:
-    args_dict = dataclasses.asdict(args)
+def save_as(fmt: str, state: dict[str, torch.Tensor], args: object, dst: Path) -> None:
+    args_dict = {"_target_": spec_of(args).target, **dataclasses.asdict(args)}
     if fmt == "hf":
         save_hf(state, args, dst)
     elif fmt == "torch":
@@ -171,7 +181,7 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def load_pretrained(path: str | Path) -> Transformer:
+def load_pretrained(path: str | Path) -> nn.Module:
     """Our model with its weights, on CPU, in eval mode, from any source `forge-convert` reads."""
     state, args, _ = load_any(path)
     model = empty_model(args)

@@ -3,8 +3,8 @@
 Rank 0 writes model.safetensors' header first, from the whole model's shapes, then each tensor's bytes as soon as
 it has it: every rank holding a weight gathers it (DTensor.full_tensor over its shards), and a pipeline stage's
 first holder sends it to rank 0. So no rank holds more than one whole tensor beyond its own shards (for MoE, one
-layer's stacked experts), never the whole state dict. Names and the config follow forge.checkpoint.hf; the folder
-is written under a staging name and renamed into place when whole.
+layer's stacked experts), never the whole state dict. Names and the config are the family's adapter's
+(forge.models.spec.HFAdapter); the folder is written under a staging name and renamed into place when whole.
 """
 
 import json
@@ -19,11 +19,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from forge.checkpoint.hf import forge_to_hf_key
-from forge.checkpoint.hf_config import HFFamily, args_to_hf_config, family_of
+from forge.checkpoint.hf import hf_adapter, whole_shapes
 from forge.checkpoint.hf_load import decoder_args
 from forge.checkpoint.stages import whole_model_names
-from forge.models.llama import Transformer
 from forge.parallel.init import plain_name
 
 log = logging.getLogger("forge")
@@ -33,19 +31,6 @@ WEIGHTS = "model.safetensors"
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _is_experts(key: str) -> bool:
-    parts = key.split(".")
-    return len(parts) == 5 and parts[2:4] == ["feed_forward", "experts"]
-
-
-def _entries(key: str, shape: torch.Size, family: HFFamily) -> list[tuple[str, tuple[int, ...]]]:
-    """(HF name, shape) of the tensors our `key` becomes: stacked experts one transposed matrix each."""
-    if _is_experts(key):
-        layer, name = key.split(".")[1], key.split(".")[4]
-        return [(family.expert_key(layer, e, name), (shape[2], shape[1])) for e in range(shape[0])]
-    return [(forge_to_hf_key(key, family), tuple(shape))]
 
 
 def _header(entries: list[tuple[str, tuple[int, ...]]]) -> bytes:
@@ -91,10 +76,8 @@ def _device(state: dict) -> torch.device:
     return next(iter(state.values())).device
 
 
-def _write(file, tensor: torch.Tensor, key: str) -> None:
-    tensor = tensor.cpu()
-    parts = [w.T for w in tensor] if _is_experts(key) else [tensor]
-    for part in parts:
+def _write(file, tensor: torch.Tensor, key: str, adapter, args) -> None:
+    for part in adapter.to_hf(key, tensor.cpu(), args):
         file.write(part.contiguous().numpy().data)  # no copy beyond the contiguous one
 
 
@@ -103,29 +86,26 @@ def save_hf_from(model: nn.Module, folder: str | Path, tokenizer=None) -> Path:
     Tokenizer, when given) under `folder`, replacing it. Collective: every rank calls it."""
     folder = Path(folder).expanduser()
     args = decoder_args(model)
-    config = args_to_hf_config(args)  # raises before anything is written for a model HF cannot express
+    adapter = hf_adapter(args)
+    config = adapter.args_to_config(args)  # raises before anything is written for a model HF cannot express
     local = get_model_state_dict(model)
     names = whole_model_names(model, local)
     mine = {plain_name(names.get(key, key)): value for key, value in local.items()}
-    with torch.device("meta"):
-        whole = {k: v.shape for k, v in Transformer(args).state_dict().items()}
-    if args.tie_embeddings:
-        whole.pop("output.weight")
+    whole = whole_shapes(args)
     holders = _holders(set(mine) & set(whole))
     staging = folder.parent / f".{folder.name}.staging-{os.getpid()}"
     file = None
     if _rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        family = family_of(args)
-        entries = [entry for key, shape in whole.items() for entry in _entries(key, shape, family)]
+        entries = [entry for key, shape in whole.items() for entry in adapter.entries(key, tuple(shape), args)]
         file = open(staging / WEIGHTS, "wb")  # noqa: SIM115 - written across the gather loop below
         file.write(_header(entries))
     try:
         for key, shape in whole.items():
             tensor = _whole_tensor(key, mine, holders, shape)
             if tensor is not None:
-                _write(file, tensor, key)
+                _write(file, tensor, key, adapter, args)
             del tensor
     finally:
         if file is not None:

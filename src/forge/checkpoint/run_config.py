@@ -15,6 +15,7 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from forge.checkpoint.errors import CheckpointError
+from forge.models.spec import known_spec
 
 INSTANTIATED_GROUPS = ("data", "model", "vlm")
 
@@ -46,9 +47,19 @@ def load_run_config(file: Path) -> DictConfig:
     if not isinstance(plain, dict):
         raise CheckpointError(f"cannot read {file}: it is not a mapping")
     table = forge_targets()
+    _rename_model_target(plain.get("model"))
     for group in INSTANTIATED_GROUPS:
         _check(plain.get(group), group, group, table[group], file)
     return OmegaConf.create(plain)
+
+
+def _rename_model_target(model: Any) -> None:
+    """A model `_target_` that a family's arguments class had before it moved (a config saved by an older forge)
+    becomes the class's current path."""
+    if isinstance(model, dict) and isinstance(model.get("_target_"), str):
+        spec = known_spec(model["_target_"])
+        if spec is not None:
+            model["_target_"] = spec.target
 
 
 def _check(node: Any, where: str, group: str, allowed: frozenset[str], file: Path) -> None:

@@ -9,21 +9,21 @@ Checkpoints store the unprefixed names, so a checkpoint written by any layout re
 import torch
 from torch import nn
 
-from forge.models.llama.transformer import Transformer
+from forge.models.spec import spec_of
 
 
 def whole_model_keys(model: nn.Module) -> set[str] | None:
     """Every state-dict key of the whole model when `model` holds only part of it (pipeline stages), else None."""
     parts = list(model) if isinstance(model, nn.ModuleList) else [model]
     first = parts[0]
-    if not isinstance(first, Transformer):  # FSDP keeps the class (it subclasses it); other models are whole
+    args = getattr(first, "args", None)
+    if args is None or not hasattr(first, "layers"):  # a VLM is whole
         return None
-    args = first.args
     whole = len(parts) == 1 and len(first.layers) == args.n_layers
     if whole and first.tok_embeddings is not None and first.output is not None:
         return None
     with torch.device("meta"):
-        return set(Transformer(args).state_dict())
+        return set(spec_of(args).build(args).state_dict())
 
 
 def whole_model_names(model: nn.Module, model_sd: dict) -> dict[str, str]:

@@ -13,8 +13,7 @@ from forge.config.schema import (
     MemmapDataConfig,
     VLMDataConfig,
 )
-from forge.domain import INT64_MAX
-from forge.models.llama.args import TransformerArgs
+from forge.models.spec import PARALLEL_DIMS, spec_of
 from forge.parallel.env import read_dist_env
 
 
@@ -93,6 +92,36 @@ def validate_top_level(cfg: DictConfig) -> None:
     )
 
 
+def type_model_node(cfg: DictConfig) -> bool:
+    """A model preset that extends no schema (a family of its own, forge.models.spec) names its arguments class in
+    `_target_`: the node is typed by that class, so its keys, types and domains are checked like a schema's.
+    Returns whether it typed the node (validate hands it back untyped: the class made here does not pickle)."""
+    import dataclasses
+
+    from hydra.utils import get_class
+    from omegaconf.errors import OmegaConfBaseException
+
+    node = cfg.get("model")
+    if not isinstance(node, DictConfig) or dataclasses.is_dataclass(OmegaConf.get_type(node)):
+        return False
+    target = node.get("_target_")
+    _require(isinstance(target, str), "model._target_ must name the model's arguments class")
+    try:
+        cls = get_class(target)
+    except Exception as err:  # noqa: BLE001 - hydra wraps the import's own error
+        raise ConfigError(f"model._target_={target}: cannot import it ({str(err).splitlines()[0]})") from None
+    _require(dataclasses.is_dataclass(cls), f"model._target_={target} is not an arguments dataclass")
+    schema = dataclasses.make_dataclass(
+        f"{cls.__name__}Config", [("_target_", str, dataclasses.field(default=target))], bases=(cls,)
+    )
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(schema), node)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"model.{err.full_key or ''}: {str(err).splitlines()[0]}") from None
+    cfg.model = typed
+    return True
+
+
 def validate_known_keys(node: DictConfig, prefix: str) -> None:
     """Keys a schema does not declare (`+train.stpes=5`: Hydra's `+` adds a key even to a typed group) are
     refused, in every node whose type is a schema dataclass."""
@@ -110,110 +139,17 @@ def validate_known_keys(node: DictConfig, prefix: str) -> None:
             validate_known_keys(child, f"{prefix}{key}.")
 
 
-def validate_model(model: DictConfig) -> None:
-    """Rules between the model's fields (each field's own range is its domain, forge.config.domains)."""
-    dim, heads, kv = model.dim, model.n_heads, model.n_kv_heads or model.n_heads
-    head_dim = model.get("head_dim")
-    if head_dim is None:
-        _require(dim % heads == 0, f"model.dim={dim} is not divisible by model.n_heads={heads}")
-        _require((dim // heads) % 2 == 0, f"model.dim / model.n_heads = {dim // heads} must be even for RoPE")
-    else:
-        _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
-    _require(heads % kv == 0, f"model.n_heads={heads} is not divisible by model.n_kv_heads={kv}")
-    scaling = model.get("rope_scaling")
-    if scaling is not None:
+def validate_model(cfg: DictConfig, degrees: Degrees) -> None:
+    """The model family's own rules (its spec's check), after the parallel dimensions it does not support."""
+    spec = spec_of(cfg.model)
+    for dim in PARALLEL_DIMS:
+        degree = getattr(degrees, dim)
         _require(
-            scaling.low_freq_factor < scaling.high_freq_factor,
-            f"model.rope_scaling.low_freq_factor={scaling.low_freq_factor} must be below "
-            f"model.rope_scaling.high_freq_factor={scaling.high_freq_factor} (the band between them is blended)",
+            degree == 1 or dim in spec.parallel,
+            f"parallel.{dim}={degree} is not supported by the {spec.name} model family (model._target_="
+            f"{cfg.model._target_}; it runs {', '.join(['fsdp/hsdp/ddp', *sorted(spec.parallel)])})",
         )
-    validate_mla(model)
-    validate_tensor_sizes(model)
-    moe = model.get("moe")
-    if moe is not None:
-        _require(
-            moe.top_k <= moe.num_experts,
-            f"model.moe.top_k={moe.top_k} must be in 1..model.moe.num_experts={moe.num_experts}",
-        )
-        _require(
-            moe.first_dense < model.n_layers,
-            f"model.moe.first_dense={moe.first_dense} must be in 0..model.n_layers - 1 ({model.n_layers - 1})",
-        )
-        groups, kept = moe.expert_groups, moe.groups_per_token
-        _require(
-            moe.num_experts % groups == 0,
-            f"model.moe.expert_groups={groups} must divide model.moe.num_experts={moe.num_experts}",
-        )
-        _require(kept <= groups, f"model.moe.groups_per_token={kept} must be in 1..model.moe.expert_groups={groups}")
-        if groups > 1:
-            per_group = moe.num_experts // groups
-            _require(per_group >= 2, f"model.moe.expert_groups={groups} leaves fewer than 2 experts per group")
-            _require(
-                moe.top_k <= kept * per_group,
-                f"model.moe.top_k={moe.top_k} is more than the {kept * per_group} experts of "
-                f"model.moe.groups_per_token={kept} groups",
-            )
-
-
-def plain_args(model: DictConfig) -> TransformerArgs:
-    """The model's arguments as the dataclass the model is built from (its derived widths: hidden_dim, head_size);
-    widths that cannot be derived (an overflowing multiplier) or come out empty are refused."""
-    args = TransformerArgs(**{k: v for k, v in OmegaConf.to_container(model, resolve=True).items() if k[0] != "_"})
-    try:
-        hidden = args.hidden_dim
-    except (OverflowError, ValueError) as err:
-        message = f"model.ffn_dim_multiplier={model.ffn_dim_multiplier} gives no feed-forward width ({err})"
-        raise ConfigError(message) from None
-    _require(
-        hidden >= 1,
-        f"model.ffn_dim_multiplier={model.ffn_dim_multiplier} makes the feed-forward width {hidden} (it must be at "
-        "least 1; set model.ffn_dim)",
-    )
-    return args
-
-
-def largest_tensors(model: DictConfig) -> dict[str, int]:
-    """The elements of the model's largest weights and its rotary table, from its widths alone (no tensor is made):
-    {what: elements}."""
-    args = plain_args(model)
-    sizes = {
-        "the embedding (model.vocab_size x model.dim)": args.vocab_size * args.dim,
-        "a feed-forward weight (model.dim x its hidden size)": args.dim * args.hidden_dim,
-        "an attention projection (model.dim x the heads x their width)": args.dim * args.n_heads * args.head_size,
-        "the rotary table (model.max_seq_len x the rotary width)": args.max_seq_len * args.rope_dim,
-    }
-    if args.moe is not None:
-        expert = args.moe.expert_ffn_dim or args.hidden_dim
-        sizes["an expert weight (model.moe.num_experts x model.dim x its hidden size)"] = (
-            args.moe.num_experts * args.dim * expert
-        )
-    return sizes
-
-
-def validate_tensor_sizes(model: DictConfig) -> None:
-    """A weight too large for a tensor's byte count (an int64) would fail deep in torch ("Storage size calculation
-    overflowed"), even on the meta device: refused by its widths. Whether the model fits the device is the run's
-    check (forge.train.fits_device), not --plan's."""
-    for what, elements in largest_tensors(model).items():
-        _require(
-            4 * elements <= INT64_MAX,
-            f"{what} would hold {elements:.3g} elements, more than a tensor's byte count can hold (2^63 bytes in "
-            f"fp32): make the model smaller (model.dim={model.dim}, model.vocab_size={model.vocab_size})",
-        )
-
-
-def validate_mla(model: DictConfig) -> None:
-    """model.attention_kind, and under mla the latent widths. A preset's n_kv_heads and head_dim do not apply to
-    latent attention (its widths are model.mla's) and are left as they are; q/k norms are refused."""
-    kind = model.get("attention_kind", "gqa")
-    if kind != "mla":
-        return
-    mla = model.mla
-    _require(mla.qk_rope_head_dim % 2 == 0, f"model.mla.qk_rope_head_dim={mla.qk_rope_head_dim} must be even for RoPE")
-    _require(
-        not model.qk_norm,
-        "model.qk_norm=true is not supported with model.attention_kind=mla (latent attention norms its latents)",
-    )
+    spec.check(cfg, degrees)
 
 
 def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
@@ -310,14 +246,7 @@ def validate_combinations(cfg: DictConfig, degrees: Degrees) -> None:
 
 def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
     parallel, model = cfg.parallel, cfg.model
-    kv = model.n_kv_heads or model.n_heads
-    _require(
-        model.n_heads % degrees.tp == 0 and kv % degrees.tp == 0,
-        f"model.n_heads={model.n_heads} and model.n_kv_heads={kv} must be divisible by parallel.tp={degrees.tp}",
-    )
     moe = model.get("moe")
-    if moe is not None and degrees.tp > 1:
-        validate_moe_tensor_parallel(model, degrees.tp)
     if degrees.ep > 1:
         _require(
             moe is not None,
@@ -375,23 +304,6 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
             f"parallel.fp8=true needs a GPU with float8 (compute capability >= 8.9), got "
             f"{torch.cuda.get_device_name()}",
         )
-
-
-def validate_moe_tensor_parallel(model: DictConfig, tp: int) -> None:
-    """Under tensor parallelism each expert's hidden width is split over the tp ranks (forge.parallel
-    .expert_tensor): it must split evenly, and the grouped GEMMs' bf16 strides need a multiple of 8 per rank."""
-    args = plain_args(model)
-    width = args.moe.expert_ffn_dim or args.hidden_dim
-    _require(
-        width % tp == 0,
-        f"the experts' hidden width {width} (model.moe.expert_ffn_dim, or the dense one) is not divisible by "
-        f"parallel.tp={tp}: each tp rank holds an equal part of it",
-    )
-    _require(
-        not args.moe.grouped_mm or (width // tp) % 8 == 0,
-        f"model.moe.grouped_mm=true with parallel.tp={tp} leaves each rank {width // tp} of each expert's hidden "
-        "width: grouped GEMMs need a multiple of 8 (or model.moe.grouped_mm=false)",
-    )
 
 
 def fill_vocab_from_data_meta(data: DictConfig) -> None:
@@ -500,12 +412,13 @@ def validate_checkpoint(cfg: DictConfig) -> None:
 def validate_hf_export(cfg: DictConfig) -> None:
     """checkpoint.save_hf needs a model transformers can express: refused now, not after the run."""
     from forge.checkpoint.errors import CheckpointError
-    from forge.checkpoint.hf import args_to_hf_config
+    from forge.checkpoint.hf import hf_adapter
     from forge.train.build import model_args
 
     _require(cfg.get("vlm") is None, "checkpoint.save_hf=true exports text decoders only, not vision-language models")
     try:
-        args_to_hf_config(model_args(cfg))
+        args = model_args(cfg)
+        hf_adapter(args).args_to_config(args)
     except CheckpointError as err:
         raise ConfigError(f"checkpoint.save_hf=true: {err}") from None
 
@@ -557,7 +470,7 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
         )
         return
     _require(media_data, "vlm is set but the data has no images: use data=vqa_embedded, video_embedded or image_text")
-    for name in ("tp", "pp", "ep", "cp"):
+    for name in PARALLEL_DIMS:
         value = getattr(degrees, name)
         _require(value == 1, f"parallel.{name}={value} is not supported with a VLM (data parallelism and FSDP only)")
     for key in ("compile", "fp8"):
@@ -694,6 +607,7 @@ def validate_cuda_graphs(cfg: DictConfig, degrees: Degrees) -> None:
 def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     """Check every rule; return the resolved parallel degrees. Raises ConfigError naming the keys."""
     validate_top_level(cfg)
+    typed = type_model_node(cfg)
     for group in cfg:
         if isinstance(cfg._get_node(group), DictConfig) and cfg[group] is not None:
             validate_known_keys(cfg[group], f"{group}.")
@@ -704,8 +618,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_required(cfg)
     validate_domains(cfg)  # each field's own range, before the rules between fields
     validate_data(cfg.data)
-    validate_model(cfg.model)
     degrees = resolve_degrees(cfg.parallel, world_size)
+    validate_model(cfg, degrees)
     validate_compile_scope(cfg, degrees)
     validate_cuda_graphs(cfg, degrees)  # before validate_train's device check: each refusal names its own key
     validate_train(cfg, degrees)
@@ -719,4 +633,6 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_vlm(cfg, degrees)
     validate_loss(cfg, degrees)
     validate_attention(cfg, degrees)
+    if typed:
+        cfg.model = OmegaConf.create(OmegaConf.to_container(cfg.model))
     return degrees

@@ -7,18 +7,18 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tokenizers import Tokenizer
+from torch import nn
 
 from forge.checkpoint.convert import load_pretrained
 from forge.checkpoint.errors import CheckpointError
 from forge.checkpoint.layout import resolve_checkpoint
 from forge.checkpoint.run_config import load_run_config
 from forge.data.tokenizer import eos_id_of, load_tokenizer
-from forge.models.llama import Transformer
 
 
 @dataclass
 class Loaded:
-    model: Transformer
+    model: nn.Module
     run_config: DictConfig | None
     """The composed config the checkpoint was written with (None for HF folders and consolidated files)."""
 

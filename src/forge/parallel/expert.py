@@ -24,8 +24,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from forge.models.llama.moe import moe_layers
-from forge.models.llama.moe.dispatch import ExpertCompute
+from forge.models.common.moe import moe_layers
+from forge.models.common.moe.dispatch import ExpertCompute
 
 
 class ExpertParallelDispatch:

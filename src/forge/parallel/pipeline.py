@@ -31,7 +31,6 @@ from torch.distributed.tensor import DTensor
 
 from forge.config.degrees import Degrees
 from forge.config.schema import PPSchedule
-from forge.models.llama.transformer import Transformer
 from forge.parallel.applied import Applied, logged
 from forge.parallel.init import materialize_sharded
 
@@ -89,7 +88,7 @@ def stage_layers(n_layers: int, n_stages: int) -> list[list[str]]:
     return [[str(i) for i in range(s * per, (s + 1) * per)] for s in range(n_stages)]
 
 
-def build_stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
+def build_stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     """A copy of `model` (meta device) that keeps only stage `stage` of `n_stages`. With tied embeddings the last
     stage keeps the embedding module as its head's matrix (not to embed: its input is the previous stage's)."""
     part = copy.deepcopy(model)
@@ -194,7 +193,7 @@ class Pipeline:
 
 
 def build_pipeline(
-    model: Transformer,
+    model: nn.Module,
     mesh: DeviceMesh,
     degrees: Degrees,
     parallel_cfg,
@@ -261,7 +260,7 @@ def first_and_last_group(mesh: DeviceMesh, pp_mesh: DeviceMesh) -> dist.ProcessG
     return mine
 
 
-def materialize_stages(parts: list[nn.Module], plain: Transformer, seed: int, device) -> None:
+def materialize_stages(parts: list[nn.Module], plain: nn.Module, seed: int, device) -> None:
     """Allocate each stage and fill the parameters it holds with the weights one process gives the whole model from
     `seed` (plain or DTensor parameters alike; see forge.parallel.init.materialize_sharded)."""
     for part in parts:

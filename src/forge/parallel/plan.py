@@ -21,8 +21,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from forge.config.degrees import Degrees
 from forge.config.schema import ActivationCheckpoint, CompileScope
-from forge.models.llama.moe import moe_layers
-from forge.models.llama.parallelize import apply_tensor_parallel
+from forge.models.common.moe import moe_layers
+from forge.models.spec import spec_of
 from forge.parallel.applied import Applied, logged
 from forge.parallel.context_parallel import apply_context_parallel
 from forge.parallel.expert import local_part, shard_experts, sum_load_over, sum_sequence_counts_over
@@ -55,7 +55,7 @@ def parallelize(
     """
     applied: list[Applied | None] = []
     if degrees.tp > 1:
-        applied.append(apply_tensor_parallel(model, mesh["tp"]))
+        applied.append(spec_of(model).tensor_parallel(model, mesh["tp"]))  # the family's own plan
     if degrees.cp > 1:
         applied.append(apply_context_parallel(model, mesh["cp"]))
         applied.append(apply_sequence_router_counts(model, mesh["cp"]))

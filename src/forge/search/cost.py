@@ -44,7 +44,8 @@ dp_shard). Peak memory per rank is forge.train.plan_report.estimate_memory's, th
 from dataclasses import dataclass
 
 from forge.config.degrees import Degrees
-from forge.metrics.flops import count_flops_per_token, is_moe_block
+from forge.metrics.flops import count_flops_per_token
+from forge.models.spec import spec_of
 from forge.parallel.pipeline import stage_layers, stages_per_rank
 from forge.search.devices import Device
 from forge.search.settings import SearchSettings
@@ -149,7 +150,7 @@ class ModelShape:
     @classmethod
     def of(cls, model) -> "ModelShape":
         """From a model on the meta device."""
-        from forge.models.llama.moe import moe_layers
+        from forge.models.common.moe import moe_layers
 
         blocks = [sum(p.numel() for p in block.parameters()) for block in model.layers.values()]
         experts = [
@@ -157,7 +158,9 @@ class ModelShape:
             for block in model.layers.values()
         ]
         embedding = model.tok_embeddings.weight.numel()
-        head = model.norm.weight.numel() + (0 if model.args.tie_embeddings else model.output.weight.numel())
+        head = sum(p.numel() for p in model.norm.parameters()) + (
+            0 if model.args.tie_embeddings else model.output.weight.numel()
+        )
         return cls(model.args, blocks, experts, embedding, head)
 
 
@@ -186,6 +189,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
     """Memory and step time of `layout` for a model of `shape` trained with `cfg_train` (seq_len, global batch);
     `dense_masks`: attention runs under dense masks (documents or windows with SDPA, as --plan counts them)."""
     args, degrees = shape.args, layout.degrees
+    cost, moe = spec_of(args).cost, getattr(args, "moe", None)
     seq, batch = cfg_train.seq_len, cfg_train.global_batch_size
     act_bytes = 2 if dtype == "bf16" else 4
     peak = device.peak_flops(dtype) * settings.compute_efficiency
@@ -264,15 +268,11 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             loss_bytes = 3 * 2 * t_share * micro_tokens * 4 if last else 0
             # the replicated norm weights' gradients, all-reduced after each micro-batch's backward (in the
             # gathered dtype under FSDP's mixed precision, else fp32)
-            norms = len(blocks) * (2 * args.dim + (2 * args.head_size if args.qk_norm else 0)) + (
-                args.dim if last else 0
-            )
+            norms = len(blocks) * cost.block_norm_elems(args) + (args.dim if last else 0)
             norm_bytes = 2 * t_share * norms * (act_bytes if shard > 1 else 4)
             # an MoE router's logits gradient (tokens x experts), summed over the tp ranks in each backward
-            moe_blocks = sum(is_moe_block(args, b) for b in blocks) if args.moe is not None else 0
-            router_bytes = (
-                moe_blocks * 2 * t_share * micro_tokens * args.moe.num_experts * act_bytes if moe_blocks else 0
-            )
+            moe_blocks = sum(moe.in_block(b) for b in blocks) if moe is not None else 0
+            router_bytes = moe_blocks * 2 * t_share * micro_tokens * moe.num_experts * act_bytes if moe_blocks else 0
             moved["tp"] = n_micro * (elems * act_bytes + loss_bytes + norm_bytes + router_bytes)
             calls = reduces * 2 + (3 if last else 0) + len(blocks) * 2 + (1 if last else 0) + moe_blocks
             seconds, lat = links.seconds("tp", moved["tp"], n_micro * calls)
@@ -282,14 +282,16 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             per_cp = 4 if layout.activation_checkpoint == "none" else 6  # selective keeps matmuls, not collectives
             calls = n_micro * len(blocks) * per_cp  # keys and values: a call each, per pass
             passes = calls / 2
-            elems = passes * (layout.cp - 1) / layout.cp * layout.micro_batch_size * seq * args.kv_width / layout.tp
+            elems = (
+                passes * (layout.cp - 1) / layout.cp * layout.micro_batch_size * seq * cost.kv_width(args) / layout.tp
+            )
             moved["cp"] = elems * act_bytes
             seconds, lat = links.seconds("cp", moved["cp"], calls)
             t["cp"] = seconds
             latency += lat
-        if layout.ep > 1 and args.moe is not None:
-            moe_blocks = sum(is_moe_block(args, b) for b in blocks)
-            elems = n_micro * moe_blocks * per_tp * (layout.ep - 1) / layout.ep * micro_tokens * args.moe.top_k
+        if layout.ep > 1 and moe is not None:
+            moe_blocks = sum(moe.in_block(b) for b in blocks)
+            elems = n_micro * moe_blocks * per_tp * (layout.ep - 1) / layout.ep * micro_tokens * moe.top_k
             moved["ep"] = elems * args.dim * act_bytes
             seconds, lat = links.seconds("ep", moved["ep"], n_micro * moe_blocks * per_tp)
             t["ep"] = seconds

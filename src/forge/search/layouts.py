@@ -7,6 +7,7 @@ A layout here is only a candidate: forge.config.validate (the same checks as a r
 from collections.abc import Iterator
 
 from forge.config.schema import ActivationCheckpoint, PPSchedule
+from forge.models.spec import spec_of
 from forge.parallel.pipeline import stages_per_rank
 from forge.search.cost import Layout
 
@@ -27,22 +28,25 @@ def layouts(
     (models without pp; none when seq_len is not given), ep dividing the experts and dp_shard (MoE only, without tp
     or cp; under tp an MoE's expert width must split over it), every split of the data-parallel ranks into
     dp_replicate x dp_shard, micro-batches dividing each rank's share of the batch."""
-    moe = args.moe
+    moe, supported = getattr(args, "moe", None), spec_of(args).parallel
     expert_width = (moe.expert_ffn_dim or args.hidden_dim) if moe is not None else 0
-    for tp in divisors(world_size):
-        if tp > gpus_per_node or args.n_heads % tp or args.kv_heads % tp or (moe is not None and expert_width % tp):
+    kv_heads = getattr(args, "kv_heads", args.n_heads)
+    for tp in divisors(world_size) if "tp" in supported else [1]:
+        if tp > gpus_per_node or args.n_heads % tp or kv_heads % tp or (moe is not None and expert_width % tp):
             continue
-        for pp in divisors(world_size // tp):
+        for pp in divisors(world_size // tp) if "pp" in supported else [1]:
             if args.n_layers % pp or (moe is not None and pp > 1):
                 continue
-            for cp in context_degrees(args, world_size // tp // pp, pp, gpus_per_node // tp, seq_len):
+            cps = context_degrees(args, world_size // tp // pp, pp, gpus_per_node // tp, seq_len)
+            for cp in cps if "cp" in supported else [1]:
                 dp = world_size // tp // pp // cp
                 if global_batch % dp:
                     continue
                 per_rank = global_batch // dp
                 for dp_replicate in divisors(dp):
                     dp_shard = dp // dp_replicate
-                    split = moe is not None and tp == 1 and cp == 1  # ep composes with neither yet
+                    # ep composes with neither tp nor cp yet
+                    split = moe is not None and tp == 1 and cp == 1 and "ep" in supported
                     eps = [e for e in divisors(dp_shard) if moe.num_experts % e == 0] if split else [1]
                     for ep in eps:
                         for micro in powers_of_two(min(per_rank, max_micro)):

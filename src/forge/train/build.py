@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from forge.data import Corpus, Loader
-from forge.models.llama import Transformer, TransformerArgs
+from forge.models.spec import spec_of
 from forge.train.optim import param_groups
 
 log = logging.getLogger("forge")
@@ -20,14 +20,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def model_args(cfg: DictConfig) -> TransformerArgs:
+def model_args(cfg: DictConfig):
+    """The model's arguments: the dataclass of its family that model._target_ names."""
     return instantiate(cfg.model, _convert_="all")
 
 
-def build_meta_model(cfg: DictConfig) -> Transformer:
-    """The model on the meta device: shapes only, nothing allocated (the parallel plan applies here)."""
+def build_meta_model(cfg: DictConfig) -> nn.Module:
+    """The model on the meta device, built by its family (forge.models.spec): shapes only, nothing allocated (the
+    parallel plan applies here)."""
+    args = model_args(cfg)
     with torch.device("meta"):
-        return Transformer(model_args(cfg))
+        return spec_of(args).build(args)
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:

@@ -69,8 +69,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from forge.config import validate
 from forge.config.degrees import Degrees, resolve_degrees
-from forge.metrics.flops import attention_flops
-from forge.models.llama.args import TransformerArgs
+from forge.models.spec import spec_of
 from forge.parallel.applied import Applied
 from forge.train.plan_flags import PLAN_OPTIONS
 
@@ -98,60 +97,6 @@ class MemoryEstimate:
         acts = self.activations_checkpointed if checkpointed else self.activations
         live = self.grads + acts if self.grads_at_peak else max(self.grads, acts)
         return self.params + self.optimizer + self.gather_buffers + live
-
-
-def ffn_token_width(args) -> float:
-    """Hidden width a token passes through in a block's MLP, averaged over the blocks (MoE: its k experts and the
-    shared ones)."""
-    moe = args.moe
-    if moe is None:
-        return args.hidden_dim
-    expert = moe.expert_ffn_dim or args.hidden_dim
-    moe_blocks = sum(moe.in_block(i) for i in range(args.n_layers))
-    moe_width = expert * (moe.top_k + moe.num_shared_experts)
-    return (moe_blocks * moe_width + (args.n_layers - moe_blocks) * args.hidden_dim) / args.n_layers
-
-
-def block_activation_elems(args) -> float:
-    """Elements autograd keeps per token for one block (see the module docstring)."""
-    if args.attention_kind == "mla":
-        return 4 * args.dim + mla_activation_elems(args) + 4 * ffn_token_width(args)
-    q_width = args.n_heads * args.head_size  # dim unless model.head_dim sets the heads apart from the width
-    return 4 * args.dim + 3 * q_width + 2 * args.kv_heads * args.head_size + 4 * ffn_token_width(args)
-
-
-def saved_kv_width(args) -> float:
-    """Elements per token of one layer's keys and values as SDPA keeps them (MLA's values padded to the query
-    width, forge.models.llama.latent_attention)."""
-    if args.attention_kind != "mla":
-        return args.kv_width
-    m = args.mla
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    return args.n_heads * (qk + max(qk, m.v_head_dim))
-
-
-def mla_activation_elems(args) -> float:
-    """Per token, what latent attention keeps past the norms' outputs: the q latent and its norm, the kv latent
-    and its norm, SDPA's per-head queries, keys, values and output (the values and output padded to the query
-    width when narrower, forge.models.llama.latent_attention) and the output fed to wo."""
-    m, heads = args.mla, args.n_heads
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    sdpa_value = max(qk, m.v_head_dim)
-    return 2 * m.q_lora_rank + 2 * m.kv_lora_rank + heads * (2 * qk + 2 * sdpa_value + m.v_head_dim)
-
-
-def block_gather_params(args, degrees: Degrees) -> float:
-    """Parameters of the largest block that FSDP all-gathers. An MoE block's
-    expert weights are gathered only over dp_shard / ep ranks, and only this rank's E / ep experts."""
-    attention = attention_flops(args, 0)[0] / 2  # one multiply-add per weight
-    dense = attention + 3 * args.dim * args.hidden_dim
-    moe = args.moe
-    if moe is None:
-        return dense
-    expert = moe.expert_ffn_dim or args.hidden_dim
-    shared = 3 * args.dim * expert * moe.num_shared_experts + args.dim * moe.num_experts
-    experts = 3 * args.dim * expert * moe.num_experts / degrees.ep if degrees.dp_shard > degrees.ep else 0
-    return max(dense, attention + shared + experts)
 
 
 def pipeline_in_flight(pp: int, schedule: str, microbatches: int, pp_rank: int = 0, stages: int = 1) -> float:
@@ -225,7 +170,8 @@ def estimate_memory(
     head = ((2 * args.dim / tp + gathered * args.dim) * act_bytes + norm_upcast + loss_kept + logits) if has_head else 0
     head_grads = chunk_tokens * loss_around if has_head else 0
     # context parallel: SDPA keeps the whole sequence's keys and values (cp x the rank's own)
-    block = (block_activation_elems(args) + saved_kv_width(args) * (cp - 1)) / tp + gathered * 2 * args.dim
+    cost = spec_of(args).cost
+    block = (cost.block_activation_elems(args) + cost.saved_kv_width(args) * (cp - 1)) / tp + gathered * 2 * args.dim
     # a dense mask: the boolean (seq / cp x seq) mask per sample lives through the forward, and each block's SDPA
     # keeps a copy in the compute dtype (under full checkpointing only the recomputed block's)
     # one row per sample with documents or windows; without, the context-parallel mask is one row, broadcast
@@ -242,7 +188,7 @@ def estimate_memory(
     shard = degrees.fsdp_shard
     fsdp = fsdp_gathers(degrees)
     if fsdp:
-        gather = (2 * block_gather_params(args, degrees) / tp + root_params) * act_bytes
+        gather = (2 * cost.block_gather_params(args, degrees) / tp + root_params) * act_bytes
     else:  # the step computes with a bf16 copy of the weights it holds (forge.train.compute_weights in one process;
         # autocast's casts, which the backward keeps, under tp or pp alone); in fp32 with the weights themselves
         gather = local_params * act_bytes if act_bytes < 4 else 0
@@ -304,7 +250,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
     """The report printed by `forge-train --plan`; with `materialize`, rank 0's shards are also allocated on the CPU
     and initialised as a real run would, and a line says their bytes, the seconds and the host memory it took."""
     from forge.metrics.flops import count_flops_per_token
-    from forge.models.llama.moe import moe_layers
+    from forge.models.common.moe import moe_layers
     from forge.parallel.mesh import build_mesh, mesh_shape
     from forge.parallel.pipeline import build_stage_module, first_and_last_group, stages_per_rank
     from forge.parallel.plan import count_local_parameters, parallelize
@@ -435,7 +381,7 @@ def _reset_host_peak() -> bool:
     return True
 
 
-def init_line(parts: list, local: int, args: TransformerArgs) -> str:
+def init_line(parts: list, local: int, args) -> str:
     """What initialisation costs rank 0: its fp32 shards (and buffers) on the training device, filled one parameter
     at a time from row blocks drawn on the host (forge.parallel.init). Beyond them the host holds the larger of one
     parameter's scratch (two fp32 blocks, and up to four boolean masks of a block for a truncated normal) and the rotary
@@ -443,7 +389,7 @@ def init_line(parts: list, local: int, args: TransformerArgs) -> str:
     from forge.models.common.init_spec import scratch_elements
 
     scratch = 4 * max(scratch_elements(p.shape) for part in parts for p in part.parameters())
-    tables = 3 * 4 * args.max_seq_len * args.rope_dim
+    tables = 4 * spec_of(args).cost.host_tables_elems(args)
     host = max(scratch + scratch // 2, tables)
     return (
         f"initialisation: rank 0 allocates its {4 * local / GIB:.2f} GiB of fp32 shards on the training device and "
@@ -487,7 +433,7 @@ def materialize_rank0(cfg: DictConfig, parts: list, degrees: Degrees) -> str:
 
 def _expert_line(args, degrees: Degrees, model, local: int, local_experts: int) -> str:
     """Where the routed experts live: the ep split and this rank's share of the expert weights."""
-    from forge.models.llama.moe import moe_layers
+    from forge.models.common.moe import moe_layers
 
     experts = sum(layer.experts.w1.numel() * 3 for _, layer in moe_layers(model))  # global shapes, DTensor or not
     num = args.moe.num_experts

@@ -14,7 +14,7 @@ from forge.config import validate
 from forge.data import Batch
 from forge.metrics.logger import format_duration
 from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter
-from forge.models.llama.moe import moe_layers, moe_metrics, update_router_biases
+from forge.models.common.moe import moe_layers, moe_metrics, update_router_biases
 from forge.parallel import dist
 from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.expert import sum_over_ranks

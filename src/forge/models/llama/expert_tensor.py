@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from forge.models.llama.moe import MoE
+from forge.models.common.moe import MoE
 from forge.parallel.expert import local_part
 from forge.parallel.local_tp import (
     ScaleGrad,

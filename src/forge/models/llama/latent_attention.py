@@ -6,7 +6,7 @@ of qk_rope_head_dim; `wkv_b` expands the latent to each head's non-rotary key (q
 head's query is [nope part, rotary part]. The score scale is 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim).
 
 RoPE rotates the two halves of the rotary part (rotate-half, as every forge attention); DeepSeek's checkpoints
-interleave the pairs instead, which forge.checkpoint.hf_config undoes by permuting those rows on import. The
+interleave the pairs instead, which forge.models.llama.hf_config undoes by permuting those rows on import. The
 latent norms use eps 1e-6, as DeepSeek's (and transformers') do whatever the model's norm_eps.
 
 The KV cache holds the expanded keys and values (not the latent): decoding reads like the other attention.

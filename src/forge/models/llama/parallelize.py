@@ -11,11 +11,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from forge.models.common.feed_forward import FeedForward
+from forge.models.common.moe import MoE
 from forge.models.llama.expert_tensor import apply_moe_tensor_parallel
-from forge.models.llama.feed_forward import FeedForward
 from forge.models.llama.latent_attention import LatentAttention
 from forge.models.llama.latent_tensor import apply_latent_tensor_parallel
-from forge.models.llama.moe import MoE
 from forge.models.llama.transformer import Transformer
 from forge.parallel.applied import Applied, logged
 

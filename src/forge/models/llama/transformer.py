@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from forge.models.common.attention import DocumentMask, Mask, attend, layer_masks, layer_window, visible_keys
+from forge.models.common.feed_forward import FeedForward
 from forge.models.common.init_spec import ONES, InitSpec, apply_specs, fill_piece_, prefixed, trunc_normal
+from forge.models.common.moe import MoE
+from forge.models.common.moe.experts import GroupedExperts
 from forge.models.common.rope import apply_rope, rope_tables
 from forge.models.llama.args import TransformerArgs
-from forge.models.llama.feed_forward import FeedForward
 from forge.models.llama.latent_attention import LatentAttention
-from forge.models.llama.moe import MoE
-from forge.models.llama.moe.experts import GroupedExperts
 
 
 class KVCache:

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forge.models.common.feed_forward import FeedForward
 from forge.models.common.init_spec import ONES, ZEROS, InitSpec, prefixed, trunc_normal
 from forge.models.llama.args import TransformerArgs
-from forge.models.llama.feed_forward import FeedForward
 from forge.models.vlm.base import VisionLanguageModel, VLMCache
 
 

@@ -13,9 +13,9 @@ import math
 import torch
 from torch import nn
 
+from forge.models.common.feed_forward import FeedForward
 from forge.models.common.init_spec import InitSpec, prefixed, trunc_normal
 from forge.models.llama.args import TransformerArgs
-from forge.models.llama.feed_forward import FeedForward
 from forge.models.llama.transformer import TransformerBlock
 from forge.models.vlm.base import PrefixVLM, VisionLanguageModel
 

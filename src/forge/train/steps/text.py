@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from forge.data import Batch
 from forge.data.loader import batch_to_device, to_device
-from forge.models.llama.moe import has_router_losses, router_losses
+from forge.models.common.moe import has_router_losses, router_losses
 from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.grads import clip_grad_norm, scale_grads, set_gradient_sync
 from forge.parallel.mesh import start_sum_over_token_ranks, token_ranks

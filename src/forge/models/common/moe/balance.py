@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from forge.models.llama.moe.layer import MoE
+from forge.models.common.moe.layer import MoE
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

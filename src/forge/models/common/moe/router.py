@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from forge.models.common.init_spec import ZEROS, InitSpec, apply_specs, trunc_normal
-from forge.models.llama.args import RouterKind
+from forge.models.common.moe.args import RouterKind
 
 
 @dataclass

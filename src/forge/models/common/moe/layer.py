@@ -5,13 +5,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from forge.models.common.feed_forward import FeedForward
 from forge.models.common.init_spec import InitSpec, prefixed
-from forge.models.llama.args import AuxLossScope, MoEArgs
-from forge.models.llama.feed_forward import FeedForward
-from forge.models.llama.moe.dispatch import Dispatch, assign, local_dispatch
-from forge.models.llama.moe.experts import GroupedExperts
-from forge.models.llama.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
-from forge.models.llama.moe.router import Router
+from forge.models.common.moe.args import AuxLossScope, MoEArgs
+from forge.models.common.moe.dispatch import Dispatch, assign, local_dispatch
+from forge.models.common.moe.experts import GroupedExperts
+from forge.models.common.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
+from forge.models.common.moe.router import Router
 
 LoadReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a per-expert count tensor over the data-parallel ranks (installed by forge.parallel for global_batch)."""
@@ -21,7 +21,7 @@ class MoE(nn.Module):
     """x -> sum over the k chosen experts of weight * expert(x) [+ shared experts(x)].
 
     Each forward keeps its router losses (`last_aux_loss`, `last_z_loss`, with gradient) and its expert loads, so
-    the trainer reads them through `forge.models.llama.moe.balance` without the block's signature changing.
+    the trainer reads them through `forge.models.common.moe.balance` without the block's signature changing.
     `dispatch` moves grouped tokens to the experts and back; expert parallelism replaces it from outside.
     `sum_load` (None in one process) sums the expert counts over the data-parallel ranks for the global-batch
     aux loss; the data-parallel plan installs it. `sum_sequence_counts` (None unless context parallelism splits

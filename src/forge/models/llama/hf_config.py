@@ -13,14 +13,11 @@ top-k; Qwen3-MoE renormalises the k weights only under `norm_topk_prob` (forge a
 cannot express are refused with a CheckpointError naming them, never dropped.
 """
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from forge.checkpoint.errors import CheckpointError
-from forge.domain import out_of_domain
 from forge.models.llama.args import MLAArgs, MoEArgs, RopeScalingArgs, TransformerArgs
 
 
@@ -334,26 +331,3 @@ def hf_config_to_args(config: dict) -> TransformerArgs:
         tie_embeddings=config.get("tie_word_embeddings", False),
         moe=moe,
     )
-
-
-def read_hf_config(config_file: Path) -> TransformerArgs:
-    """Our model args from a config.json; a file that is not JSON or not a config of these models is named."""
-    kinds = "Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3"
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_file}:{err.lineno}: not valid JSON ({err.msg})") from None
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{config_file} is not a text file (not valid UTF-8)") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_file} is not a Llama or Mixtral config, nor a Qwen3 one (a JSON object)")
-    try:
-        args = hf_config_to_args(config)
-    except KeyError as err:
-        raise CheckpointError(f"{config_file} lacks {err.args[0]!r}, which a {kinds} config has") from None
-    except (TypeError, ValueError, ZeroDivisionError) as err:
-        raise CheckpointError(f"{config_file} is not a usable {kinds} config ({err})") from None
-    fault = out_of_domain(args, "model.")
-    if fault:
-        raise CheckpointError(f"{config_file} is not a usable {kinds} config: it gives {fault}")
-    return args
