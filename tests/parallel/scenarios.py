@@ -53,8 +53,12 @@ def run_scenarios(scenarios: dict[str, list[str]], root: str) -> dict[str, dict]
 
 def layout(trainer: Trainer) -> dict:
     """What the plan did to the model, so a test can tell a parallel run from an accidental single one."""
-    attention = trainer.model.layers["0"].attention  # wrappers forward attribute access
-    wq = (attention.wq if hasattr(attention, "wq") else attention.wq_b).weight  # latent attention: its up-projection
+    block = trainer.model.layers["0"]
+    attention = getattr(block, "attention", None)  # wrappers forward attribute access
+    if attention is not None:
+        wq = (attention.wq if hasattr(attention, "wq") else attention.wq_b).weight  # latent: its up-projection
+    else:  # another family's block: its first matrix
+        wq = next(p for p in block.parameters() if p.ndim >= 2)
     return {
         "wq_placements": [str(p) for p in getattr(wq, "placements", ())],
         "local_params": count_local_parameters(trainer.model),

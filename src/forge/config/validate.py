@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from forge.config.degrees import Degrees, resolve_degrees
 from forge.config.domains import validate_domains
@@ -96,11 +100,6 @@ def type_model_node(cfg: DictConfig) -> bool:
     """A model preset that extends no schema (a family of its own, forge.models.spec) names its arguments class in
     `_target_`: the node is typed by that class, so its keys, types and domains are checked like a schema's.
     Returns whether it typed the node (validate hands it back untyped: the class made here does not pickle)."""
-    import dataclasses
-
-    from hydra.utils import get_class
-    from omegaconf.errors import OmegaConfBaseException
-
     node = cfg.get("model")
     if not isinstance(node, DictConfig) or dataclasses.is_dataclass(OmegaConf.get_type(node)):
         return False
@@ -125,8 +124,6 @@ def type_model_node(cfg: DictConfig) -> bool:
 def validate_known_keys(node: DictConfig, prefix: str) -> None:
     """Keys a schema does not declare (`+train.stpes=5`: Hydra's `+` adds a key even to a typed group) are
     refused, in every node whose type is a schema dataclass."""
-    import dataclasses
-
     schema = OmegaConf.get_type(node)
     if not dataclasses.is_dataclass(schema):
         return
@@ -532,13 +529,13 @@ def validate_attention(cfg: DictConfig, degrees: Degrees) -> None:
     """model.attention and model.sliding_window (forge.models.common.attention), and the paths that cannot carry
     them."""
     model = cfg.model
-    window = model.sliding_window
+    window = model.get("sliding_window")
     pattern = list(window) if OmegaConf.is_list(window) else [window]
     _require(
         bool(pattern) and all(w is None or (type(w) is int and w >= 1) for w in pattern),
         f"model.sliding_window={window} must be null, a positive int, or a list of positive ints and nulls",
     )
-    flex, windowed = model.attention == "flex", any(w is not None for w in pattern)
+    flex, windowed = model.get("attention") == "flex", any(w is not None for w in pattern)
     if flex:
         _require(
             degrees.pp == 1,

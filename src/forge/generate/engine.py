@@ -9,6 +9,7 @@ from torch import nn
 
 from forge.generate.sampling import next_token
 from forge.models.llama.transformer import KVCache
+from forge.models.spec import spec_of
 
 
 def _left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,8 +57,11 @@ def generate(
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    args = getattr(model, "args", None)
+    if args is not None and not isinstance(model, nn.ModuleList) and not spec_of(args).generate:
+        raise ValueError(f"the {spec_of(args).name} model family does not decode with a KV cache (forge-generate)")
     device = next(model.parameters()).device
-    max_len = getattr(getattr(model, "args", None), "max_seq_len", None)
+    max_len = getattr(args, "max_seq_len", None)
     if max_len is not None and max(len(p) for p in prompts) + max_new_tokens > max_len:
         raise ValueError(f"prompt + max_new_tokens exceeds the model's max_seq_len={max_len}")
     generator = None

@@ -111,8 +111,9 @@ class HFAdapter(Protocol):
         """config.json of a model (CheckpointError, before anything is written, for what the format cannot say)."""
         ...
 
-    def check_config(self, config_file: Any, args: Any) -> None:
-        """config.json describes the model of `args`: CheckpointError naming the first field that differs."""
+    def check_config(self, theirs: Any, args: Any, config_file: Any) -> None:
+        """The arguments `theirs` read from `config_file` describe the model of `args`: CheckpointError naming the
+        first field that differs."""
         ...
 
     def entries(self, key: str, shape: tuple[int, ...], args: Any) -> list[tuple[str, tuple[int, ...]]]:
@@ -123,9 +124,10 @@ class HFAdapter(Protocol):
         """The tensors of `entries`, in order, from our whole tensor."""
         ...
 
-    def read(self, key: str, shape: tuple[int, ...], box: tuple[slice, ...], read: Callable, args: Any) -> Any:
-        """Our tensor `key`'s box (slices of its whole `shape`), from `read(hf_name, hf_shape, hf_box)`, which
-        returns that box of an HF tensor."""
+    def read(self, key: str, shape: tuple[int, ...], box: tuple[slice, ...], weights: Any, args: Any) -> Any:
+        """Our tensor `key`'s box (slices of its whole `shape`), from the folder's `weights`
+        (forge.checkpoint.hf.HFWeights: `weights.read(hf_name, hf_shape, hf_box)` returns that box of an HF tensor;
+        `weights.files` names them, `weights.config` is the folder's config.json)."""
         ...
 
     def our_keys(self, hf_names: set[str], args: Any) -> set[str]:

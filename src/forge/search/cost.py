@@ -157,7 +157,9 @@ class ModelShape:
             sum(p.numel() for _, layer in moe_layers(block) for p in layer.experts.parameters())
             for block in model.layers.values()
         ]
-        embedding = model.tok_embeddings.weight.numel()
+        # everything outside the blocks but the head and final norm: the token (and a position) embedding
+        outside = ("layers.", "norm.", "output.")
+        embedding = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(outside))
         head = sum(p.numel() for p in model.norm.parameters()) + (
             0 if model.args.tie_embeddings else model.output.weight.numel()
         )

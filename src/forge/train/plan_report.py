@@ -307,7 +307,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         f"parameters: total {total:,} | rank 0 holds {local:,} "
         f"({local / total:.4f} of the model, 1/{total / local:.1f})"
     )
-    if args.moe is not None:
+    if getattr(args, "moe", None) is not None:
         lines.append(_expert_line(args, degrees, model, local, local_experts))
     lines.append(init_line(parts, local, args))
     if materialize:
