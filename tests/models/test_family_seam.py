@@ -2,15 +2,20 @@
 outside the folder names it."""
 
 import ast
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from forge.config import compose, validate
 from forge.config.errors import ConfigError
 from forge.models.spec import PARALLEL_DIMS, families, known_spec, spec_of
 from forge.train.build import build_meta_model, model_args
+from tests.conftest import ROOT, forge_cmd
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "forge"
 CONF = SRC.parents[1] / "conf"
@@ -99,3 +104,22 @@ def test_a_preset_without_a_schema_is_typed_by_its_arguments_class():
     validate(cfg)
     assert OmegaConf.get_type(cfg.model) is dict
     assert type(build_meta_model(cfg)).__name__ == spec_of(cfg.model).build.__name__
+
+
+def test_a_family_outside_forge_trains_without_touching_it(tmp_path):
+    """A copy of the GPT-2 folder as a package of the user's own (`toyfam`, on PYTHONPATH), named by the preset's
+    `_target_` only: forge-train validates, trains and checkpoints it with no file of forge changed."""
+    package = tmp_path / "toyfam"
+    shutil.copytree(SRC / "models" / "gpt2", package, ignore=shutil.ignore_patterns("__pycache__"))
+    for file in package.glob("*.py"):
+        file.write_text(file.read_text().replace("forge.models.gpt2", "toyfam"))
+    run_dir = tmp_path / "run"
+    cmd = forge_cmd("model=gpt2_tiny", "model._target_=toyfam.args.GPT2Args", "train.steps=2", "train.eval_batches=1",
+                    "checkpoint.save_final=true", f"hydra.run.dir={run_dir}")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    log = (run_dir / "forge.log").read_text()
+    assert "done: 2 steps" in log
+    saved = yaml.safe_load(next(run_dir.glob("checkpoints/step-*/config.yaml")).read_text())
+    assert saved["model"]["_target_"] == "toyfam.args.GPT2Args"
