@@ -27,7 +27,7 @@
 # dense_fp8_compile: for a device budget that leaves time for part of the script; the multi-GPU checks run
 # wherever there are 2 GPUs).
 # Each run logs every 10 steps to <run dir>/metrics.jsonl; the table averages the records after the first (the
-# first interval holds compilation and warm-up). MFU = FLOPs/token (forge.metrics.flops) x tokens/s / peak; the
+# first interval holds compilation and warm-up). MFU = FLOPs/token (forge.planning.flops) x tokens/s / peak; the
 # table also gives it against the bf16 matmul rate measured here first (8192^3 products on random data), which is
 # what the card really reaches.
 set -uo pipefail

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 from forge.config import compose
-from forge.search.cost import Layout, ModelShape, predict
-from forge.search.devices import DEVICES, GIB
-from forge.search.settings import SearchSettings
+from forge.planning.search.cost import Layout, ModelShape, predict
+from forge.planning.search.devices import DEVICES, GIB
+from forge.planning.search.settings import SearchSettings
 from forge.train import build
 
 

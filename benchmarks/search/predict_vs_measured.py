@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))  # for benchmarks.machine
 from benchmarks.machine import cpu_flags  # noqa: E402
 from forge.config import compose  # noqa: E402
 from forge.metrics.plot import read_records  # noqa: E402
-from forge.search.cost import Layout, ModelShape, predict  # noqa: E402
-from forge.search.devices import GIB, device_from_profile  # noqa: E402
-from forge.search.settings import SearchSettings  # noqa: E402
+from forge.planning.search.cost import Layout, ModelShape, predict  # noqa: E402
+from forge.planning.search.devices import GIB, device_from_profile  # noqa: E402
+from forge.planning.search.settings import SearchSettings  # noqa: E402
 from forge.train import build  # noqa: E402
 
 MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.ffn_dim=768", "train.seq_len=128"]

@@ -6,7 +6,7 @@
 A shape is dim:layers:seq:batch (heads = dim / 64, vocab 8192, SwiGLU hidden 4 x dim). For each shape the step is
 AdamW on random tokens, as in the trainer's one-process step (autocast in the resolved dtype, forge's row-wise fp32
 cross-entropy, fused AdamW, under bf16 one bf16 copy of the weights per step: forge.train.compute_weights). FLOPs
-per token come from forge.metrics.flops, the count the trainer's MFU uses (matmuls only, full seq x seq attention).
+per token come from forge.planning.flops, the count the trainer's MFU uses (matmuls only, full seq x seq attention).
 
 The peak is the best of square matmuls of 1024, 2048 and 4096 and of the model's own widest matmul, measured in
 bursts before and between the timed steps and taking the quietest burst: the machine's rate when nothing else
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from forge.metrics.flops import count_flops_per_token
-from forge.metrics.peak import measure_matmul_flops
+from forge.planning.flops import count_flops_per_token
+from forge.planning.peak import measure_matmul_flops
 from forge.models.llama import TransformerArgs, build_transformer
 from forge.parallel.plan import apply_compile
 from forge.train.compute_weights import ComputeWeights, scope

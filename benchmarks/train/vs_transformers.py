@@ -20,7 +20,7 @@ contenders take AdamW steps on the same random tokens, in turns, so the machine'
 Each row gives tokens/s (of the median step: one step slowed by another job does not move it), the ratio to
 transformers eager and to transformers compiled, and the MFU against the matmul peak measured in the same run (the
 best of square products and the model's widest product, in bursts between the rounds of steps, each followed by an
-untimed step: the rate when nothing else runs). FLOPs per token are forge.metrics.flops', as the trainer's MFU.
+untimed step: the rate when nothing else runs). FLOPs per token are forge.planning.flops', as the trainer's MFU.
 After the table, a per-op profile of one forge eager step (self CPU time, or self GPU time on a GPU; top --profile
 ops); `--profile-all` profiles every contender.
 
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, fo
 
 from benchmarks.machine import cpu_flags, gpu_note, synchronizer  # noqa: E402
 from benchmarks.train.mfu import parse_shape, peak_flops, shape_args  # noqa: E402
-from forge.metrics.flops import count_flops_per_token  # noqa: E402
+from forge.planning.flops import count_flops_per_token  # noqa: E402
 from forge.models.llama import TransformerArgs, build_transformer  # noqa: E402
 from forge.parallel.plan import apply_compile  # noqa: E402
 from forge.train.compute_weights import ComputeWeights, scope  # noqa: E402

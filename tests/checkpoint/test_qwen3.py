@@ -28,7 +28,7 @@ from forge.models.llama import TransformerArgs
 from forge.models.llama.args import MoEArgs
 from forge.models.llama.hf_config import args_to_hf_config, hf_config_to_args
 from forge.models.llama.transformer import KVCache, build_transformer
-from forge.train.plan_report import plan_report
+from forge.planning.report import plan_report
 from forge.train.trainer import Trainer
 from tests.checkpoint.test_convert import TINY
 from tests.tiny import losses

@@ -36,7 +36,7 @@ def test_validation_refuses(name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_plan_refuses(name):
-    from forge.train.plan_report import plan_report
+    from forge.planning.report import plan_report
 
     overrides, world = CASES[name]
     with pytest.raises(ConfigError, match="is not supported"):

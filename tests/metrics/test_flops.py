@@ -5,9 +5,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from forge.metrics.flops import count_flops_per_token, training_flops_per_token
 from forge.models.llama.args import MoEArgs, TransformerArgs
 from forge.models.llama.transformer import build_transformer
+from forge.planning.flops import count_flops_per_token, training_flops_per_token
 
 BATCH, SEQ = 2, 32
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from forge.metrics.meter import StepMeter, describe_peak
-from forge.metrics.peak import Peak, device_name, resolve_peak
+from forge.planning.peak import Peak, device_name, resolve_peak
 
 
 def test_interval_leaves_out_paused_time_and_reports_data_wait():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forge.metrics import peak as peak_module
-from forge.metrics.peak import TFLOPS, measure_matmul_flops, resolve_peak, table_peak
+from forge.planning.peak import TFLOPS, measure_matmul_flops, resolve_peak, table_peak
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Measure the peak of live tensor bytes over two AdamW steps of a small decoder on the CPU, as torch's own
-allocator reports it to the profiler, and print it with the estimate of forge.train.plan_report (bytes):
+allocator reports it to the profiler, and print it with the estimate of forge.planning.report (bytes):
 `measured estimated`. `python measure_memory.py [fp32|bf16]`: bf16 runs the trainer's one-process bf16 step (one
 bf16 copy of the weights, autocast; forge.train.compute_weights); bf16 kernels are emulated where the CPU lacks
 them, which changes the time, not the tensors. The allocator's count, unlike the process RSS, does not depend on
@@ -15,9 +15,9 @@ from forge.config.degrees import Degrees
 from forge.metrics.memory import peak_live_tensor_bytes
 from forge.models.llama import TransformerArgs
 from forge.models.llama.transformer import build_transformer
+from forge.planning.memory import estimate_memory
 from forge.train.compute_weights import ComputeWeights
 from forge.train.losses import cross_entropy
-from forge.train.plan_report import estimate_memory
 from forge.train.precision import autocast
 
 

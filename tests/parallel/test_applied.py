@@ -11,7 +11,7 @@ from forge.config.degrees import Degrees
 from forge.config.schema import ParallelConfig
 from forge.models.llama import Transformer, TransformerArgs
 from forge.parallel.plan import parallelize
-from forge.train.plan_report import plan_report
+from forge.planning.report import plan_report
 
 
 def test_single_process_plan_returns_its_steps_in_order():

@@ -14,8 +14,8 @@ from forge.metrics.memory import peak_live_tensor_bytes
 from forge.parallel.init import plain_name
 from forge.parallel.mesh import build_mesh
 from forge.parallel.plan import parallelize
+from forge.planning import report as plan
 from forge.train import build
-from forge.train import plan_report as plan
 
 CPU = torch.device("cpu")
 

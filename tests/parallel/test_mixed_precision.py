@@ -158,7 +158,7 @@ def run_deferred_estimate(overrides: list[str], root: str) -> dict:
     from forge.models.common.moe.balance import moe_layers
     from forge.parallel.dist import is_main_process
     from forge.parallel.plan import count_local_parameters
-    from forge.train.plan_report import estimate_memory
+    from forge.planning.memory import estimate_memory
 
     cfg = compose([*TINY, *overrides])
     trainer = Probe(cfg, Path(root))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from forge.config import compose
-from forge.train.plan_report import estimate_memory, plan_report, take_plan_flag
+from forge.planning.report import estimate_memory, plan_report, take_plan_flag
 
 FORGE_TRAIN = Path(sys.executable).parent / "forge-train"
 
@@ -199,7 +199,7 @@ def test_activation_estimate_matches_what_autograd_saves_under_latent_attention(
 def test_gradients_exist_at_the_activations_peak_only_after_a_backward():
     """torch's schedules: 1F1B runs pp - rank warm-up forwards (all of them on rank 0 when chunks = pp), the
     interleaved one (stages - 1) rounds + 2 (pp - 1 - rank) stage forwards, GPipe every forward first."""
-    from forge.train.plan_report import grads_at_peak
+    from forge.planning.memory import grads_at_peak
 
     assert grads_at_peak(2, 1, "1f1b")  # gradient accumulation
     assert not grads_at_peak(1, 1, "1f1b")
@@ -218,7 +218,7 @@ def test_in_flight_chunks_follow_torchs_schedules(pp, microbatches):
     helper; 1F1B warms up pp - rank chunks on rank r, at most all of them)."""
     from torch.distributed.pipelining.schedules import _get_warmup_ops
 
-    from forge.train.plan_report import head_in_flight, interleaved_warmup, pipeline_in_flight
+    from forge.planning.memory import head_in_flight, interleaved_warmup, pipeline_in_flight
 
     per_round = microbatches // max(1, microbatches // pp)
     for rank in range(pp):

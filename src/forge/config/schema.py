@@ -15,8 +15,8 @@ from omegaconf import MISSING, OmegaConf
 from forge.checkpoint.layout import MAX_STEP
 from forge.domain import Domain, domain
 from forge.models.llama.args import TransformerArgs
+from forge.planning.search.settings import SearchSettings
 from forge.resilience.signals import CATCHABLE_SIGNALS
-from forge.search.settings import SearchSettings
 from forge.train.host_malloc import MAX_THRESHOLD_MIB
 from forge.train.loss_options import ChunkedCrossEntropyOptions, CrossEntropyOptions
 
@@ -762,7 +762,7 @@ class HFDataConfig:
 
 @dataclass
 class SearchConfig(SearchSettings):
-    """`forge-train --plan --search`: the device the layouts are searched for (forge.search)."""
+    """`forge-train --plan --search`: the device the layouts are searched for (forge.planning.search)."""
 
 
 SCHEMAS: dict[str, type] = {

@@ -1,10 +1,10 @@
 """Metrics: metrics.jsonl, the console line, trackers, FLOPs/MFU, memory and the profiler."""
 
-from forge.metrics.flops import count_flops_per_token, training_flops_per_token
 from forge.metrics.logger import MetricsLogger
 from forge.metrics.meter import StepMeter
-from forge.metrics.peak import resolve_peak
 from forge.metrics.profiler import StepProfiler
+from forge.planning.flops import count_flops_per_token, training_flops_per_token
+from forge.planning.peak import resolve_peak
 
 __all__ = [
     "MetricsLogger",

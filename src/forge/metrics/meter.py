@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from forge.metrics.memory import memory_metrics
-from forge.metrics.peak import Peak
+from forge.planning.peak import Peak
 
 log = logging.getLogger("forge")
 

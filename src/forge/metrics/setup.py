@@ -7,11 +7,11 @@ import torch.distributed as torch_dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from forge.metrics.flops import training_flops_per_token
 from forge.metrics.logger import MetricsLogger
 from forge.metrics.meter import StepMeter, describe_peak
-from forge.metrics.peak import resolve_peak
 from forge.metrics.profiler import StepProfiler
+from forge.planning.flops import training_flops_per_token
+from forge.planning.peak import resolve_peak
 
 
 def world_size() -> int:

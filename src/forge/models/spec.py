@@ -70,7 +70,7 @@ class ModelCost(Protocol):
 
     def block_activation_elems(self, args: Any) -> float:
         """Elements per token that autograd keeps for one block's backward (before tensor parallelism divides
-        them; forge.train.plan_report's formula adds norms' upcasts and the head)."""
+        them; forge.planning.memory's formula adds norms' upcasts and the head)."""
         ...
 
     def saved_kv_width(self, args: Any) -> float:

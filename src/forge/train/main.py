@@ -16,8 +16,8 @@ from forge.config.errors import composition_message
 from forge.config.help import field_help
 from forge.config.validate import null_group_refusal
 from forge.data.sources import DataError
+from forge.planning.flags import has_plan_flags
 from forge.quick_exit import command
-from forge.train.plan_flags import has_plan_flags
 
 log = logging.getLogger("forge")
 
@@ -88,18 +88,18 @@ def _task(cfg: DictConfig) -> None:
         check_output_dir()
         fit_defaults_to_run(cfg)
         if CALIBRATE:
-            from forge.search.calibrate import run_calibration
+            from forge.planning.search.calibrate import run_calibration
             from forge.train.build import resolve_device
 
             run_calibration(resolve_device(cfg.train.device), Path(HydraConfig.get().runtime.output_dir))
             return
         if PLAN_ONLY and cfg.get("search") is not None:
-            from forge.search.report import search_report
+            from forge.planning.search.report import search_report
 
             print(search_report(cfg), flush=True)
             return
         if PLAN_ONLY:
-            from forge.train.plan_report import print_plan
+            from forge.planning.report import print_plan
 
             print_plan(cfg)
             return
@@ -160,7 +160,7 @@ def remove_empty_run_dir() -> None:
 def main() -> None:
     global PLAN_ONLY, CALIBRATE
     if has_plan_flags(sys.argv):
-        from forge.train.plan_report import take_plan_flag
+        from forge.planning.report import take_plan_flag
 
         PLAN_ONLY = take_plan_flag(sys.argv)
     CALIBRATE = "--calibrate" in sys.argv

@@ -9,7 +9,7 @@ Activations, per token and block, what autograd keeps for the backward (the mode
 forge.models.gpt2.model): ln_1's input and output (2 d, the output is c_attn's matmul input), c_attn's output (3 d,
 the q, k and v SDPA keeps as views of it), SDPA's output (d), its re-laid-out copy fed to c_proj (d), ln_2's input
 and output (2 d, the output is c_fc's input), c_fc's output (f, GELU's input) and GELU's output (f, c_proj's
-input): 9 d + 2 f. The bias adds and the residual sums keep nothing. forge.train.plan_report adds the norms'
+input): 9 d + 2 f. The bias adds and the residual sums keep nothing. forge.planning.memory adds the norms'
 upcasts under bf16 and, under tensor parallelism, the all-gathered inputs of c_attn and c_fc (2 d).
 """
 

@@ -10,7 +10,7 @@ A routed MoE layer counts its router gate, top_k routed experts and the shared e
 layer (capacity_factor 0) every token is computed by exactly top_k experts, so this count is exact whatever the
 routing; with a capacity limit it is an upper bound (dropped assignments cost nothing).
 
-Activations: what autograd keeps per token and block, the terms forge.train.plan_report's formula adds up.
+Activations: what autograd keeps per token and block, the terms forge.planning.memory's formula adds up.
 """
 
 from typing import TYPE_CHECKING

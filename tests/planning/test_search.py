@@ -8,11 +8,11 @@ import subprocess
 import pytest
 
 from forge.config import compose, validate
-from forge.search.cost import Layout, ModelShape, predict
-from forge.search.devices import DEVICES, GIB
-from forge.search.report import search, search_report, settings_of, valid
+from forge.planning.report import plan_report
+from forge.planning.search.cost import Layout, ModelShape, predict
+from forge.planning.search.devices import DEVICES, GIB
+from forge.planning.search.report import search, search_report, settings_of, valid
 from forge.train import build
-from forge.train.plan_report import plan_report
 from tests.conftest import ROOT, forge_cmd
 
 
@@ -136,7 +136,7 @@ def test_an_unknown_device_is_refused_with_one_line(tmp_path):
     ],
 )
 def test_bad_search_flags_exit_2_with_one_line(argv, says, capsys):
-    from forge.train.plan_report import take_plan_flag
+    from forge.planning.report import take_plan_flag
 
     with pytest.raises(SystemExit) as exit_info:
         take_plan_flag(list(argv))
@@ -145,7 +145,7 @@ def test_bad_search_flags_exit_2_with_one_line(argv, says, capsys):
 
 
 def test_search_flags_become_overrides_after_hydras_own_flags():
-    from forge.train.plan_report import take_plan_flag
+    from forge.planning.report import take_plan_flag
 
     argv = ["forge-train", "-cn", "train", "--plan", "--search-top", "3", "model=llama3_8b"]
     assert take_plan_flag(argv)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from forge.config.schema import ActivationCheckpoint, PPSchedule
 from forge.models.spec import spec_of
 from forge.parallel.pipeline import stages_per_rank
-from forge.search.cost import Layout
+from forge.planning.search.cost import Layout
 
 
 def divisors(n: int) -> list[int]:

@@ -9,7 +9,7 @@ from forge.domain import domain
 @dataclass
 class SearchSettings:
     device: str = domain("h100", non_empty=True)
-    """The accelerator: a key of forge.search.devices.DEVICES (`forge-train --plan --search` names them when it
+    """The accelerator: a key of forge.planning.search.devices.DEVICES (`forge-train --plan --search` names them when it
     does not know the one given)."""
     profile: Optional[str] = domain(None, non_empty=True)
     """A device profile written by `forge-train --calibrate` (measured matmul rates, memory, link bandwidths);

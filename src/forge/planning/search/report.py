@@ -6,11 +6,11 @@ import math
 from omegaconf import DictConfig
 
 from forge.config import ConfigError, validate
-from forge.search.cost import ModelShape, Prediction, predict
-from forge.search.devices import DEVICES, GIB, Device, device_from_profile
-from forge.search.layouts import layouts
-from forge.search.settings import SearchSettings
-from forge.train.plan_report import uses_dense_masks
+from forge.planning.memory import uses_dense_masks
+from forge.planning.search.cost import ModelShape, Prediction, predict
+from forge.planning.search.devices import DEVICES, GIB, Device, device_from_profile
+from forge.planning.search.layouts import layouts
+from forge.planning.search.settings import SearchSettings
 
 
 def settings_of(cfg: DictConfig) -> SearchSettings:
@@ -140,7 +140,7 @@ def search_report(cfg: DictConfig) -> str:
     runner_up = next((p for p in fitting if p.layout.degrees != winner.layout.degrees and refusal_of(p) is None), None)
     if runner_up is not None:
         lines.append(why_slower(runner_up, winner))
-    lines.append("cost model: forge.search.cost (predicted, not measured)")
+    lines.append("cost model: forge.planning.search.cost (predicted, not measured)")
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """What the search assumes of one accelerator: its memory and the bandwidth of the links inside and across nodes.
 
-Peak FLOP/s come from forge.metrics.peak's table (one place for them). Memory is what torch reports as the device's
+Peak FLOP/s come from forge.planning.peak's table (one place for them). Memory is what torch reports as the device's
 total; bandwidths are per GPU and per direction, in bytes per second: NVLink (or Infinity Fabric) inside a node, the
 node's network (InfiniBand / RoCE) divided over its GPUs across nodes.
 """
@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from forge.metrics.peak import table_peak
+from forge.planning.peak import table_peak
 
 GB = 1e9
 GIB = 2**30
@@ -18,7 +18,7 @@ GIB = 2**30
 @dataclass(frozen=True)
 class Device:
     name: str
-    """The peak table's name (forge.metrics.peak.PEAK_TFLOPS)."""
+    """The peak table's name (forge.planning.peak.PEAK_TFLOPS)."""
     memory_gib: float
     intra_node: float
     """Bytes/s per GPU inside a node."""
@@ -31,7 +31,7 @@ class Device:
     pipeline's bubble leaves its cores to the busy ones, so the bubble costs no time (the per-rank rate was
     measured with every rank computing at once)."""
     latency_s: float | None = None
-    """Seconds of one small collective (a calibrated profile measures it); None: forge.search.cost.LATENCY_S, a
+    """Seconds of one small collective (a calibrated profile measures it); None: forge.planning.search.cost.LATENCY_S, a
     GPU's launch inside and across nodes."""
 
     def peak_flops(self, dtype: str) -> float:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from forge.metrics.peak import device_name, matmul_size_for, measure_matmul_flops
+from forge.planning.peak import device_name, matmul_size_for, measure_matmul_flops
 
 PROFILE = "device_profile.json"
 BUFFER_BYTES = 16 * 2**20

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from forge.config import ConfigError, compose
-from forge.search.calibrate import PROFILE, available_cores
-from forge.search.devices import device_from_profile
-from forge.search.report import search_report
+from forge.planning.search.calibrate import PROFILE, available_cores
+from forge.planning.search.devices import device_from_profile
+from forge.planning.search.report import search_report
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.dist
@@ -75,7 +75,7 @@ def test_a_damaged_profile_is_named(content, says, tmp_path):
 
 def test_a_profile_without_a_latency_uses_the_tables(tmp_path):
     """Profiles written before the latency was measured (or by one process) still load: the cost model then charges
-    forge.search.cost.LATENCY_S."""
+    forge.planning.search.cost.LATENCY_S."""
     old = tmp_path / "profile.json"
     old.write_text('{"peak_flops": {"fp32": 1e9}, "inter_node": 1e9, "memory_gib": 8}')
     assert device_from_profile(old).latency_s is None

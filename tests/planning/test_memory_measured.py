@@ -11,9 +11,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from forge.config import compose
 from forge.metrics.memory import peak_live_tensor_bytes
-from forge.search.cost import Layout, ModelShape, predict
-from forge.search.devices import DEVICES
-from forge.search.settings import SearchSettings
+from forge.planning.search.cost import Layout, ModelShape, predict
+from forge.planning.search.devices import DEVICES
+from forge.planning.search.settings import SearchSettings
 from forge.train import build
 from forge.train.trainer import Trainer
 from tests.parallel.harness import launch

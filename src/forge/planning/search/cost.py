@@ -3,7 +3,7 @@
 Per optimizer step, on the busiest rank (the pipeline rank with the most work), with T = global batch x seq_len
 tokens, dp = dp_replicate x dp_shard, n micro-batches of each dp rank's share, cp the context-parallel ranks that
 split each sequence (T / dp / cp tokens per rank), and F the forward FLOPs per token of the rank's blocks (and
-head, on the last stage) from forge.metrics.flops:
+head, on the last stage) from forge.planning.flops:
 
     compute    = 3 F x T / dp / cp / tp / (peak x compute_efficiency)
     recompute  = F_blocks x T / dp / cp / tp / (peak x efficiency) under full checkpointing (one more forward); a tenth
@@ -38,18 +38,18 @@ head, on the last stage) from forge.metrics.flops:
 
 Links: a mesh dimension whose ranks span at most gpus_per_node consecutive ranks uses the intra-node bandwidth,
 else the inter-node one (mesh order pp, dp_replicate, dp_shard, cp, tp: tp innermost; ep is the inner part of
-dp_shard). Peak memory per rank is forge.train.plan_report.estimate_memory's, the one `--plan` prints.
+dp_shard). Peak memory per rank is forge.planning.memory.estimate_memory's, the one `--plan` prints.
 """
 
 from dataclasses import dataclass
 
 from forge.config.degrees import Degrees
-from forge.metrics.flops import count_flops_per_token
 from forge.models.spec import spec_of
 from forge.parallel.pipeline import stage_layers, stages_per_rank
-from forge.search.devices import Device
-from forge.search.settings import SearchSettings
-from forge.train.plan_report import estimate_memory, grads_at_peak, head_in_flight, pipeline_in_flight
+from forge.planning.flops import count_flops_per_token
+from forge.planning.memory import estimate_memory, grads_at_peak, head_in_flight, pipeline_in_flight
+from forge.planning.search.devices import Device
+from forge.planning.search.settings import SearchSettings
 
 LATENCY_S = {"intra": 10e-6, "inter": 30e-6}
 SELECTIVE_RECOMPUTE = 0.1

@@ -1,5 +1,5 @@
 """forge-train's planning flags, without torch: the command looks for them before it composes a config, and only
-then imports the planner (forge.train.plan_report), which takes them out of argv."""
+then imports the planner (forge.planning.report), which takes them out of argv."""
 
 PLAN_OPTIONS = ("--materialize", "--search", "--search-top")
 """Flags that go only with --plan."""
