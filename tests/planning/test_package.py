@@ -14,5 +14,5 @@ def test_plan_and_search_run_without_the_trainer(tmp_path):
                               timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
         names = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-        assert "forge.planning.memory" in names and "forge.models.llama.spec" in names  # the control
+        assert "forge.planning.memory" in names and "forge.models.llama.cost" in names  # the control
         assert not {n for n in names if n.startswith(("forge.train.trainer", "forge.train.steps"))}, flags
