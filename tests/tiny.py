@@ -25,11 +25,11 @@ class CrashAfterSteps:
 
     crash_after = 7
 
-    def train_step(self):
+    def train_step(self, step: int):
         if self.crash_after == 0:
             raise Crash
         self.crash_after -= 1
-        return super().train_step()
+        return super().train_step(step)
 
 
 class CrashingTrainer(CrashAfterSteps, Trainer):

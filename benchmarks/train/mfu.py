@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from forge.planning.flops import count_flops_per_token
-from forge.planning.peak import measure_matmul_flops
 from forge.models.llama import TransformerArgs, build_transformer
 from forge.parallel.plan import apply_compile
+from forge.planning.flops import count_flops_per_token
+from forge.planning.peak import measure_matmul_flops
 from forge.train.compute_weights import ComputeWeights, scope
 from forge.train.losses import cross_entropy
 from forge.train.precision import autocast, resolve_dtype

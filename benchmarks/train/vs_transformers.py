@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, fo
 
 from benchmarks.machine import cpu_flags, gpu_note, synchronizer  # noqa: E402
 from benchmarks.train.mfu import parse_shape, peak_flops, shape_args  # noqa: E402
-from forge.planning.flops import count_flops_per_token  # noqa: E402
 from forge.models.llama import TransformerArgs, build_transformer  # noqa: E402
 from forge.parallel.plan import apply_compile  # noqa: E402
+from forge.planning.flops import count_flops_per_token  # noqa: E402
 from forge.train.compute_weights import ComputeWeights, scope  # noqa: E402
 from forge.train.host_malloc import ask_huge_pages, keep_heap  # noqa: E402
 from forge.train.losses import compiled_cross_entropy, cross_entropy  # noqa: E402

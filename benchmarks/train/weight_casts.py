@@ -35,6 +35,9 @@ from forge.train.steps import TextStep  # noqa: E402
 VOCAB = 8192
 
 
+LOSS = CrossEntropyLoss()
+
+
 def is_fp32_matrix(event) -> bool:
     return bool(event.input_shapes) and len(event.input_shapes[0]) == 2 and event.input_dtypes[0] == "float"
 
@@ -42,7 +45,7 @@ def is_fp32_matrix(event) -> bool:
 def cast_profile(step: TextStep, batches: list, sync) -> tuple[int, float, int]:
     """(fp32 -> bf16 casts, their milliseconds, the peak of live tensor bytes) in one step, from torch.profiler."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
-        step.forward_backward(batches)
+        step.forward_backward(batches, LOSS)
         sync()
     # a weight is 2-D and fp32 (the activations' casts are 3-D, the gradients' come from bf16)
     events = [e for e in prof.events() if e.name == "aten::_to_copy" and is_fp32_matrix(e)]
@@ -61,23 +64,21 @@ def main() -> None:
     sync = synchronizer(device)
     args = shape_args(dim, layers, seq, VOCAB)
     model = build_transformer(args, device)
-    loss = CrossEntropyLoss()
     step = TextStep(model, device, "bf16")
-    step.train_loss = lambda batch: step.batch_loss(batch, loss)
     batches = []
     for _ in range(opts.micro_batches):
         tokens = torch.randint(0, VOCAB, (micro, seq + 1))
         batches.append((tokens[:, :-1], tokens[:, 1:]))
 
     times: dict[bool, list[float]] = {True: [], False: []}
-    step.forward_backward(batches)  # warm-up
+    step.forward_backward(batches, LOSS)  # warm-up
     for _ in range(opts.rounds):
         for hold in (True, False):
             step.hold_weight_casts = hold
             model.zero_grad(set_to_none=True)
             sync()
             start = time.perf_counter()
-            step.forward_backward(batches)
+            step.forward_backward(batches, LOSS)
             sync()
             times[hold].append(time.perf_counter() - start)
     profiles = {}

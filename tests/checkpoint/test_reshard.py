@@ -149,7 +149,7 @@ def test_fsdp4_checkpoint_resumes_in_another_layout(saved, layout, tmp_path):
 def train(run_dir: str, overrides: list[str]) -> dict:
     trainer = Trainer(compose(overrides), Path(run_dir))
     trainer.fit()
-    return {"cp": trainer.degrees.cp, "splits_sequences": trainer.step.context is not None}
+    return {"cp": trainer.degrees.cp, "splits_sequences": trainer.step_body.context is not None}
 
 
 def test_context_parallel_checkpoint_resumes_in_one_process(tmp_path):

@@ -41,7 +41,7 @@ class Probe(Trainer):
         wq = self.model.layers["0"].attention.wq
         wq.register_forward_pre_hook(lambda module, args: self.gathered.append(str(module.weight.dtype)))
 
-    def batch_loss(self, batch):
+    def record_grad_bytes(self) -> None:
         held = 0
         for group in fsdp_groups(self.model):
             for param in group.fsdp_params:
@@ -52,7 +52,16 @@ class Probe(Trainer):
                     acc = getattr(acc, "_local_tensor", acc)  # an expert-parallel DTensor: this rank's experts
                     held += 0 if acc is None else acc.numel() * acc.element_size()
         self.grad_bytes.append(held)
-        return super().batch_loss(batch)
+
+    def __init__(self, cfg, run_dir: Path):
+        super().__init__(cfg, run_dir)
+        loss_fn = self.loss_fn
+
+        def recorded(*args, **kwargs):  # the training loss runs each micro-batch's forward
+            self.record_grad_bytes()
+            return loss_fn(*args, **kwargs)
+
+        self.loss_fn = recorded
 
 
 def run(scenarios: dict[str, list[str]], root: str) -> dict:

@@ -30,11 +30,11 @@ def step_all_reduces(model: list[str], run_dir: str) -> dict:
 
     dist.all_reduce = spy
     try:
-        trainer.train_step()
+        trainer.train_step(trainer.state.step + 1)
     finally:
         dist.all_reduce = real
-    tokens = trainer.step.count_folded and int(trainer.guard.pending[-1].world_tokens)
-    return {"calls": calls, "world_tokens": tokens, "folded": trainer.step.count_folded}
+    tokens = trainer.step_body.count_folded and int(trainer.guard.pending[-1].world_tokens)
+    return {"calls": calls, "world_tokens": tokens, "folded": trainer.step_body.count_folded}
 
 
 def test_a_dense_step_folds_the_token_count_into_the_flags_all_reduce(tmp_path):

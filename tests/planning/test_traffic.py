@@ -106,9 +106,9 @@ def count_one_step(root: str) -> dict[str, dict]:
     out = {}
     for preset in LAYOUTS:
         trainer = Trainer(compose(overrides(preset)), Path(root) / preset)
-        trainer.train_step()
+        trainer.train_step(1)
         with CollectiveBytes() as counted:
-            trainer.train_step()
+            trainer.train_step(2)
         out[preset] = {"bytes": dict(counted.bytes), "kept": dict(counted.kept)}
     return out
 

@@ -124,11 +124,10 @@ def step_peak(compute_weights: bool) -> int:
     model = build_transformer(ARGS)
     weights = ComputeWeights(model) if compute_weights else None
     step = TextStep(model, torch.device("cpu"), "bf16", compute_weights=weights)
-    step.train_loss = lambda batch: step.batch_loss(batch, LOSS)
     batches = micro_batches(3)
-    step.forward_backward(batches)  # the gradients exist before the measured step
+    step.forward_backward(batches, LOSS)  # the gradients exist before the measured step
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step.forward_backward(batches)
+        step.forward_backward(batches, LOSS)
     return peak_live_tensor_bytes(prof)
 
 
@@ -152,7 +151,7 @@ BF16_RUN = [
 def test_one_process_under_bf16_trains_on_the_copies_unless_param_dtype_is_fp32(tmp_path: Path, param_dtype, copies):
     extra = [] if param_dtype is None else [f"parallel.param_dtype={param_dtype}"]
     trainer = Trainer(compose([*BF16_RUN, *extra]), tmp_path)
-    assert (trainer.step.compute_weights is not None) is copies
+    assert (trainer.step_body.compute_weights is not None) is copies
     summary = trainer.fit()
     assert summary["steps"] == 2 and summary["final_val_loss"] < summary["first_val_loss"]
     # between steps, and so in every checkpoint, the parameters are the fp32 masters

@@ -100,10 +100,10 @@ def test_a_skipped_step_leaves_weights_and_moments_as_they_were(tmp_path, fused)
     trainer = Trainer(cfg, tmp_path)
     trainer.model.train()
     assert trainer.masked_updates == fused
-    trainer.train_step()
+    trainer.train_step(1)
     trainer.state.step = 1
     before = weights_and_moments(trainer)
-    trainer.train_step()  # the poisoned step
+    trainer.train_step(2)  # the poisoned step
     trainer.state.step = 2
     assert trainer.guard.nonfinite.skipped == (0 if fused else 1)  # fused: not read yet
     trainer.guard.settle()
@@ -112,7 +112,7 @@ def test_a_skipped_step_leaves_weights_and_moments_as_they_were(tmp_path, fused)
     assert len(after) == len(before)
     for old, new in zip(before, after):
         assert torch.equal(old, new)
-    trainer.train_step()  # and the next step trains again
+    trainer.train_step(3)  # and the next step trains again
     trainer.guard.settle()
     assert trainer.guard.nonfinite.skipped == 1
     assert not torch.equal(before[0], weights_and_moments(trainer)[0])
@@ -127,13 +127,13 @@ def test_a_rollback_read_while_passing_over_a_bad_step_stays_in_the_loop(tmp_pat
     poisoned = iter([6, 5])
     at = {"step": next(poisoned)}
 
-    def inject(step, loss):
+    def loss_for(step, loss):
         if step == at["step"]:
             at["step"] = next(poisoned, None)
-            return loss * float("nan")
+            return lambda *args, **kwargs: loss(*args, **kwargs) * float("nan")
         return loss
 
-    trainer.guard.inject = inject
+    trainer.guard.loss_for = loss_for
     summary = trainer.fit()
     assert trainer.guard.nonfinite.rollbacks == 2
     assert trainer.guard.bad_steps == {5, 6}

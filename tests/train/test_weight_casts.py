@@ -57,22 +57,22 @@ def train_counting_casts(run_dir: Path, hold: bool | None) -> tuple[Trainer, Cou
     the steps' forwards and backwards."""
     trainer = Trainer(compose(BF16_ACCUMULATION), run_dir)
     if hold is not None:
-        trainer.step.hold_weight_casts = hold
+        trainer.step_body.hold_weight_casts = hold
     casts = ParameterCasts(trainer.model)
-    forward_backward = trainer.step.forward_backward
+    forward_backward = trainer.step_body.forward_backward
 
-    def counted(batches):
+    def counted(batches, loss):
         with casts:
-            return forward_backward(batches)
+            return forward_backward(batches, loss)
 
-    trainer.step.forward_backward = counted
+    trainer.step_body.forward_backward = counted
     trainer.fit()
     return trainer, casts.counts, curves(run_dir)
 
 
 def test_each_weight_is_cast_once_per_step_and_the_curve_is_unchanged(tmp_path):
     trainer, held, held_curve = train_counting_casts(tmp_path / "held", None)
-    assert trainer.holds_weight_casts and trainer.step.hold_weight_casts  # the default under bf16 accumulation
+    assert trainer.holds_weight_casts and trainer.step_body.hold_weight_casts  # the default under bf16 accumulation
     _, per_forward, per_forward_curve = train_counting_casts(tmp_path / "per_forward", False)
 
     cast = set(per_forward)
@@ -106,15 +106,14 @@ def step_peaks(checkpoint: str) -> dict[bool, int]:
     if checkpoint != "none":
         apply_activation_checkpointing(model, checkpoint)
     step = TextStep(model, torch.device("cpu"), "bf16")
-    step.train_loss = lambda batch: step.batch_loss(batch, CrossEntropyLoss())
     tokens = torch.randint(0, args.vocab_size, (2, 33))
     batches = [(tokens[:, :-1], tokens[:, 1:])] * 3
-    step.forward_backward(batches)  # the gradients exist before the measured steps
+    step.forward_backward(batches, CrossEntropyLoss())  # the gradients exist before the measured steps
     peaks = {}
     for hold in (False, True):
         step.hold_weight_casts = hold
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step.forward_backward(batches)
+            step.forward_backward(batches, CrossEntropyLoss())
         peaks[hold] = peak_live_tensor_bytes(prof)
     return peaks
 

@@ -2,6 +2,7 @@
 
 import logging
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -41,11 +42,33 @@ class StepGuard:
         self.pending: list[StepFlags] = []  # launched steps' flags the host has not read yet, oldest first
         self.step: int | None = None  # the step in progress, for error messages
 
-    def inject(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        """Test hook (resilience.inject_nan_at_step): turn one step's loss into NaN."""
-        if step == self.cfg.inject_nan_at_step:
-            return loss * float("nan")
-        return loss
+    def loss_for(self, step: int, loss: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """`step`'s training loss: `loss` itself, or at resilience.inject_nan_at_step (a test hook) its value
+        turned into NaN."""
+        if step != self.cfg.inject_nan_at_step:
+            return loss
+        return lambda *args, **kwargs: loss(*args, **kwargs) * float("nan")
+
+    def before_step(self, step: int) -> bool:
+        """Start `step` (the watchdog's clock, the liveness check). True when its batches are to be skipped, a step
+        rolled back for non-finite values: the last trained step's check is read first (it may roll back too)."""
+        self.step_started(step)
+        if step not in self.bad_steps:
+            return False
+        self.settle()
+        return True
+
+    def after_step(self, step: int, reads_host: bool, device: torch.device) -> bool:
+        """After `step`'s update: its check is read when the host waits anyway (`reads_host`: a log line, an
+        evaluation, a checkpoint), so the policy acts before them; returns whether the run stops (a signal on any
+        rank; then the check is read, so the checkpoint holds no unread step)."""
+        if reads_host:
+            self.settle()
+        stop = self.should_stop(device)
+        if stop:
+            self.settle()
+        self.step_finished()
+        return stop
 
     def _inject_stall(self, step: int) -> None:
         """Test hook (resilience.inject_stall_at_step, inject_stall_rank): this rank hangs before the step."""

@@ -42,7 +42,8 @@ THP_SWITCH = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 PREPARED = False
-"""Set once the command has prepared this process (forge.train.main.run); a Trainer built in-process checks it."""
+"""Set once the command has prepared this process (forge.train.main.build_trainer); a Trainer built in-process
+checks it."""
 
 
 def prepare_cpu_process(train: DictConfig, world_size: int) -> str:

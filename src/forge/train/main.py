@@ -28,7 +28,8 @@ CALIBRATE = False
 """Set by `--calibrate`: measure this machine and write a device profile for `--plan --search` instead of training."""
 
 
-def run(cfg: DictConfig, degrees) -> dict:
+def build_trainer(cfg: DictConfig, degrees):
+    """The run's trainer (a VLM's with `vlm` set), built after the host is prepared and the model checked to fit."""
     prepare_host(cfg)  # first: torch reads its huge-page switch at the process's first CPU allocation
     check_model_fits(cfg, degrees)
     from forge.train.trainer import Trainer
@@ -36,7 +37,7 @@ def run(cfg: DictConfig, degrees) -> dict:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     trainer = VLMTrainer if cfg.get("vlm") is not None else Trainer
-    return trainer(cfg, run_dir).fit()
+    return trainer(cfg, run_dir)
 
 
 def prepare_host(cfg: DictConfig) -> None:
@@ -104,7 +105,7 @@ def _task(cfg: DictConfig) -> None:
             print_plan(cfg)
             return
         degrees = validate(cfg)  # again in the trainer; here a config error is refused before its heavy imports
-        summary = run(cfg, degrees)
+        summary = build_trainer(cfg, degrees).fit()
     except ConfigError as err:
         print(f"forge-train: invalid config: {err}", file=sys.stderr)
         remove_empty_run_dir()

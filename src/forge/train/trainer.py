@@ -1,5 +1,6 @@
 """The training loop: data, forward/backward/step, eval, metrics."""
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -11,7 +12,6 @@ from forge.checkpoint import Checkpointer, CheckpointError, RunState
 from forge.checkpoint.hf_save import save_run_hf
 from forge.checkpoint.run_lock import hold_run_dir
 from forge.config import validate
-from forge.data import Batch
 from forge.metrics.logger import format_duration
 from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter
 from forge.models.common.moe import moe_layers, moe_metrics, update_router_biases
@@ -143,26 +143,25 @@ class Trainer:
         self.n_params = sum(p.numel() for p in self.model.parameters())  # the whole model, before any split
         self.freeze = Unfrozen()
         self.pipeline: Pipeline | None = None
-        self.step: Step
+        self.step_body: Step
         if self.degrees.pp > 1:
             self.pipeline = self.build_pipeline()
-            self.step = PipelineStep(self.pipeline, self.device, self.dtype, self.defer_grad_sync)
+            self.step_body = PipelineStep(self.pipeline, self.device, self.dtype, self.defer_grad_sync)
         else:
             parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device, self.dtype)
             build.materialize_parallel(cfg, self.model, self.device, cfg.train.seed)
             context = ContextSplit(self.mesh["cp"]) if self.degrees.cp > 1 else None
-            self.step = TextStep(
+            self.step_body = TextStep(
                 self.model,
                 self.device,
                 self.dtype,
                 self.mesh,
                 self.defer_grad_sync,
-                train_loss=self.batch_loss,
                 context=context,
                 hold_weight_casts=self.holds_weight_casts,
                 compute_weights=self.build_compute_weights(),
             )
-        self.model = self.step.model
+        self.model = self.step_body.model
 
     def build_compute_weights(self) -> ComputeWeights | None:
         """The bf16 copy of the weights the steps compute with, on a model whose parameters are plain tensors
@@ -174,9 +173,9 @@ class Trainer:
 
     def log_weight_casts(self) -> None:
         """Say how the step meets bf16: one copy of the weights, or autocast's casts held over its micro-batches."""
-        if getattr(self.step, "compute_weights", None) is not None:
+        if getattr(self.step_body, "compute_weights", None) is not None:
             log.info("weights: fp32 master, one bf16 copy per step for its forwards and backwards")
-        elif getattr(self.step, "hold_weight_casts", False):
+        elif getattr(self.step_body, "hold_weight_casts", False):
             log.info("bf16 casts of the weights: once per step, for its %d micro-batches", self.grad_accum)
 
     def build_pipeline(self) -> Pipeline:
@@ -212,22 +211,22 @@ class Trainer:
         self.checkpointer.save(self.state.step, self.model, self.optimizer, self.scheduler, self.loader, self.state)
         set_optimizer_mode(self.optimizer, "train")
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One optimizer step over grad_accum micro-batches; returns this rank's (loss sum, labelled tokens) and the
-        grad norm, as tensors (`token_mean` of the first two is the step's loss: the loop reduces them over the dp
-        ranks only when it logs). The loss is the mean over the global batch's labelled tokens, whatever the
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Optimizer step `step` over grad_accum micro-batches; returns this rank's (loss sum, labelled tokens) and
+        the grad norm, as tensors (`token_mean` of the first two is the step's loss: the loop reduces them over the
+        dp ranks only when it logs). The loss is the mean over the global batch's labelled tokens, whatever the
         micro-batch size, accumulation and dp size (see the step bodies, forge.train.steps)."""
         train = self.cfg.train
-        self.freeze.before_step(self.state.step)
+        self.freeze.before_step(step - 1)
         with self.meter.waiting_for_data():
             batches = [self.loader.next_batch() for _ in range(self.grad_accum)]
-        loss_sum, tokens = self.step.forward_backward(batches)
-        folded = self.step.count_folded  # the gradients wait for the step's token count, summed with the flags
-        grad_norm = self.step.clip_grad_norm(0.0 if folded else train.grad_clip)
+        loss_sum, tokens = self.step_body.forward_backward(batches, self.guard.loss_for(step, self.loss_fn))
+        folded = self.step_body.count_folded  # the gradients wait for the step's token count, summed with the flags
+        grad_norm = self.step_body.clip_grad_norm(0.0 if folded else train.grad_clip)
         rank_loss = loss_sum / tokens.clamp(min=1)  # this rank's mean, for the check and its message
-        flags = self.guard.launch_check(self.state.step + 1, rank_loss, grad_norm, tokens if folded else None)
+        flags = self.guard.launch_check(step, rank_loss, grad_norm, tokens if folded else None)
         if folded:
-            grad_norm = self.step.finish_token_mean(flags.world_tokens, grad_norm, train.grad_clip)
+            grad_norm = self.step_body.finish_token_mean(flags.world_tokens, grad_norm, train.grad_clip)
         finite, mask = True, None
         if self.masked_updates:  # no host sync: the last step's flags are read while this one's are in flight
             self.guard.settle(keep_newest=True)
@@ -238,9 +237,7 @@ class Trainer:
             with applied_where(self.optimizer, mask):
                 self.optimizer.step()
             # sigmoid routers: outside the gradient; the loads are summed over ranks only where needed
-            update_router_biases(
-                self.model, sum_over_ranks, for_metrics=self.is_log_step(self.state.step + 1), mask=mask
-            )
+            update_router_biases(self.model, sum_over_ranks, for_metrics=self.is_log_step(step), mask=mask)
             if self.float8_all_gather:
                 from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -267,11 +264,6 @@ class Trainer:
             or self.checkpointer.should_save(step, self.cfg.train.steps)
         )
 
-    def batch_loss(self, batch: Batch) -> torch.Tensor:
-        """The training loss (conf/loss) of one micro-batch, with autograd: the step body calls it for each
-        micro-batch; resilience.inject_nan_at_step turns one step's into NaN."""
-        return self.guard.inject(self.state.step + 1, self.step.batch_loss(batch, self.loss_fn))
-
     def skip_step(self) -> None:
         """Consume a step's batches without training on them (rolled-back offending batches)."""
         for _ in range(self.grad_accum):
@@ -288,121 +280,8 @@ class Trainer:
         self.state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.loader)
         set_optimizer_mode(self.optimizer, "train")
 
-    def evaluate(self) -> float:
-        train = self.cfg.train
-        set_optimizer_mode(self.optimizer, "eval")  # schedule-free: evaluate the averaged weights
-        batches = self.corpus.val_batches(
-            train.seq_len, train.micro_batch_size, self.eval_micro_batches, self.dp_rank, self.dp_size
-        )
-        val_loss = token_mean(*self.step.evaluate(batches), self.mesh)
-        set_optimizer_mode(self.optimizer, "train")
-        return val_loss.item()
-
-    def fit(self) -> dict:
-        """Train to train.steps (or until preempted); the watchdog and signal handlers end with the loop."""
-        # The watchdog, a lost peer or an overdue preemption save end the process with os._exit: the tracker runs
-        # are closed with that exit code first (metrics.jsonl is flushed line by line anyway).
-        forget_metrics_on_exit = on_hard_exit(self.metrics.close)
-        try:
-            return self._fit()
-        except BaseException as err:  # dcp's CheckpointException is a BaseException
-            self.guard.exit_if_peer_lost(err)  # a dead or stalled peer: one error naming it, exit 77
-            try:
-                self.metrics.close(exit_code=1)  # the tracker runs end as failed, not as running or finished
-            except Exception as close_err:
-                log.warning("could not close the metrics after the failure: %s", close_err)
-            raise
-        finally:
-            forget_metrics_on_exit()
-            self.guard.close()
-            if self.run_lock is not None:
-                self.run_lock.release()
-
-    def _fit(self) -> dict:
-        train = self.cfg.train
-        if self.state.step >= train.steps:
-            log.warning(
-                "the run resumed at step %d, which is not before train.steps=%d: nothing to train (raise train.steps "
-                "to continue it)",
-                self.state.step,
-                train.steps,
-            )
-        self.model.train()
-        first_val = val_loss = self.evaluate()
-        if self.state.step == 0:
-            self.metrics.log_eval(self.state.step, first_val)
-        start = time.perf_counter()
-        self.meter.restart(self.state.step, self.state.tokens_seen)
-        loss = loss_sum = torch.full((), float("nan"))  # no step run: no training loss
-        tokens = torch.ones(())
-        while self.state.step < train.steps:
-            lr = self.optimizer.param_groups[0]["lr"]  # includes a data phase's lr_scale
-            self.profiler.step_started(self.state.step + 1)
-            self.guard.step_started(self.state.step + 1)
-            if self.state.step + 1 in self.guard.bad_steps:
-                try:
-                    self.guard.settle()  # the last trained step's check, inside the try: it may roll back too
-                except RollbackRequested as rollback:
-                    self.roll_back(rollback.step)
-                    continue
-                self.skip_step()
-                self.state.step += 1
-                self.state.tokens_seen += self.tokens_per_step
-                continue
-            step = self.state.step + 1
-            try:
-                loss_sum, tokens, grad_norm = self.train_step()
-                if self.reads_host(
-                    step
-                ):  # the policy acts on this step's flags before it is logged, evaluated or saved
-                    self.guard.settle()
-                preempted = self.guard.should_stop(self.device)
-                if preempted:
-                    self.guard.settle()
-            except RollbackRequested as rollback:
-                self.roll_back(rollback.step)
-                continue
-            self.guard.step_finished()
-            self.state.step = step
-            self.state.tokens_seen += self.tokens_per_step
-            self.profiler.step_finished(step)
-            if self.is_log_step(step):
-                loss = token_mean(loss_sum, tokens, self.mesh)
-                self.metrics.log_train(
-                    step,
-                    {
-                        "loss": loss.item(),
-                        "lr": lr,
-                        "grad_norm": grad_norm.item(),
-                        **self.meter.interval(step, self.state.tokens_seen),
-                        "tokens_seen": self.state.tokens_seen,
-                        **self.loader.metrics(),
-                        **self.guard.metrics(),
-                        **moe_metrics(self.model),
-                    },
-                )
-            if self.is_eval_step(step):
-                with self.meter.paused():
-                    val_loss = self.evaluate()
-                self.metrics.log_eval(step, val_loss)
-            self.checkpointer.poll()
-            if preempted or self.checkpointer.should_save(step, train.steps):
-                with self.meter.paused():
-                    self.save_checkpoint()
-            if preempted:
-                received = self.guard.preemption.received
-                log.warning(
-                    "%s (%s): checkpoint at step %d written; exiting with code %d",
-                    "interrupted" if received == "SIGINT" else "preempted",
-                    received or "a peer's signal",
-                    step,
-                    EXIT_INTERRUPTED if received == "SIGINT" else EXIT_PREEMPTED,
-                )
-                self.preempted = True
-                break
-        self.guard.settle()  # none is left unread in practice (log steps and skipped steps read theirs); none dropped
-        if self.preempted and not self.is_log_step(self.state.step):
-            loss = token_mean(loss_sum, tokens, self.mesh)  # every rank stopped after this step
+    def finish(self, wall: float, loss: torch.Tensor, first_val: float, val_loss: float) -> dict:
+        """After the last step: the pending checkpoint written, the save_hf export, the summary and its log line."""
         self.checkpointer.wait()
         if self.checkpointer.last_save_error:  # on_save_error=continue kept training; the run must not look whole
             raise CheckpointError(
@@ -412,7 +291,6 @@ class Trainer:
         set_optimizer_mode(self.optimizer, "eval")  # leave the model at the weights that were evaluated and saved
         if not self.preempted:  # checkpoint.save_hf: the final weights as a Hugging Face folder (collective)
             save_run_hf(self.cfg.checkpoint, self.run_dir, self.model, getattr(self.corpus, "tokenizer", None))
-        wall = time.perf_counter() - start
         self.metrics.close()
         summary = {
             "steps": self.state.step,
@@ -441,3 +319,124 @@ class Trainer:
         if self.owns_process_group:
             dist.teardown()
         return summary
+
+    @contextlib.contextmanager
+    def ending_cleanly(self):
+        """The scope of `fit`: a failure closes the tracker runs as failed (a dead or stalled peer: one error naming
+        it, exit 77); the watchdog, the signal handlers and the run lock end with it. The watchdog, a lost peer or
+        an overdue preemption save end the process with os._exit: the tracker runs are closed with that exit code
+        first (metrics.jsonl is flushed line by line anyway)."""
+        forget_metrics_on_exit = on_hard_exit(self.metrics.close)
+        try:
+            yield
+        except BaseException as err:  # dcp's CheckpointException is a BaseException
+            self.guard.exit_if_peer_lost(err)
+            try:
+                self.metrics.close(exit_code=1)  # the tracker runs end as failed, not as running or finished
+            except Exception as close_err:
+                log.warning("could not close the metrics after the failure: %s", close_err)
+            raise
+        finally:
+            forget_metrics_on_exit()
+            self.guard.close()
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def warn_if_trained(self) -> None:
+        if self.state.step >= self.cfg.train.steps:
+            log.warning(
+                "the run resumed at step %d, which is not before train.steps=%d: nothing to train (raise train.steps "
+                "to continue it)",
+                self.state.step,
+                self.cfg.train.steps,
+            )
+
+    def log_step(self, step: int, lr: float, loss_sum, tokens, grad_norm) -> torch.Tensor:
+        """The step's line: its loss (this rank's sums reduced over the dp ranks, the one collective a log step
+        adds), lr, grad norm, throughput, data, guard and MoE metrics. Returns the loss."""
+        loss = token_mean(loss_sum, tokens, self.mesh)
+        self.metrics.log_train(
+            step,
+            {
+                "loss": loss.item(),
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                **self.meter.interval(step, self.state.tokens_seen),
+                "tokens_seen": self.state.tokens_seen,
+                **self.loader.metrics(),
+                **self.guard.metrics(),
+                **moe_metrics(self.model),
+            },
+        )
+        return loss
+
+    def log_preempted(self, step: int) -> None:
+        received = self.guard.preemption.received
+        log.warning(
+            "%s (%s): checkpoint at step %d written; exiting with code %d",
+            "interrupted" if received == "SIGINT" else "preempted",
+            received or "a peer's signal",
+            step,
+            EXIT_INTERRUPTED if received == "SIGINT" else EXIT_PREEMPTED,
+        )
+
+    def evaluate(self) -> float:
+        train = self.cfg.train
+        set_optimizer_mode(self.optimizer, "eval")  # schedule-free: evaluate the averaged weights
+        batches = self.corpus.val_batches(
+            train.seq_len, train.micro_batch_size, self.eval_micro_batches, self.dp_rank, self.dp_size
+        )
+        val_loss = token_mean(*self.step_body.evaluate(batches), self.mesh)
+        set_optimizer_mode(self.optimizer, "train")
+        return val_loss.item()
+
+    def fit(self) -> dict:
+        """Train to train.steps (or until preempted): the first evaluation, then each step trains, logs, evaluates
+        and saves when due. The guard reads each step's non-finite and stop flags (`before_step`, `after_step`:
+        skip a rolled-back step's batches, read the flags when the host waits anyway, stop on a signal)."""
+        with self.ending_cleanly():
+            train = self.cfg.train
+            self.warn_if_trained()
+            self.model.train()
+            first_val = val_loss = self.evaluate()
+            if self.state.step == 0:
+                self.metrics.log_eval(self.state.step, first_val)
+            start = time.perf_counter()
+            self.meter.restart(self.state.step, self.state.tokens_seen)
+            loss = loss_sum = torch.full((), float("nan"))  # no step run: no training loss
+            tokens = torch.ones(())
+            while self.state.step < train.steps and not self.preempted:
+                step = self.state.step + 1
+                lr = self.optimizer.param_groups[0]["lr"]  # includes a data phase's lr_scale
+                self.profiler.step_started(step)
+                try:
+                    skipped = self.guard.before_step(step)
+                    if skipped:  # a rolled-back step's offending batches
+                        self.skip_step()
+                    else:
+                        loss_sum, tokens, grad_norm = self.train_step(step)
+                        self.preempted = self.guard.after_step(step, self.reads_host(step), self.device)
+                except RollbackRequested as rollback:
+                    self.roll_back(rollback.step)
+                    continue
+                self.state.step = step
+                self.state.tokens_seen += self.tokens_per_step
+                if skipped:
+                    continue
+                self.profiler.step_finished(step)
+                if self.is_log_step(step):
+                    loss = self.log_step(step, lr, loss_sum, tokens, grad_norm)
+                if self.is_eval_step(step):
+                    with self.meter.paused():
+                        val_loss = self.evaluate()
+                    self.metrics.log_eval(step, val_loss)
+                self.checkpointer.poll()
+                if self.preempted or self.checkpointer.should_save(step, train.steps):
+                    with self.meter.paused():
+                        self.save_checkpoint()
+                if self.preempted:
+                    self.log_preempted(step)
+            self.guard.settle()  # none is left unread in practice (log and skipped steps read theirs); none dropped
+            if self.preempted and not self.is_log_step(self.state.step):
+                loss = token_mean(loss_sum, tokens, self.mesh)  # every rank stopped after this step
+            return self.finish(time.perf_counter() - start, loss, first_val, val_loss)

@@ -49,13 +49,12 @@ class VLMTrainer(Trainer):
         parallelize_vlm(self.model, self.mesh, cfg.parallel.activation_checkpoint, policy)
         # Each rank allocates and fills only its shards: no rank holds the whole decoder.
         materialize_sharded(self.model, self.model, cfg.train.seed, self.device)
-        self.step = VLMStep(
+        self.step_body = VLMStep(
             self.model,
             self.device,
             self.dtype,
             self.mesh,
             self.defer_grad_sync,
-            self.batch_loss,
             hold_weight_casts=self.holds_weight_casts,
             compute_weights=self.build_compute_weights(),
         )

@@ -30,7 +30,9 @@ class PipelineStep:
         self.dtype = dtype
         self.defer_grad_sync = defer_grad_sync
 
-    def forward_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_backward(self, batches: list[Batch], loss=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The schedule's forward and backward of each micro-batch; the stages train plain cross-entropy (the
+        last stage's, built into the schedule), so `loss` is not used."""
         loss_sum, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for micro, batch in enumerate(batches):
             if self.defer_grad_sync:

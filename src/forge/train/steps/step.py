@@ -22,8 +22,9 @@ class Step(Protocol):
     model: nn.Module
     """What the optimizer, the checkpoints and the metrics see: the model, or this rank's pipeline stages."""
 
-    def forward_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward of one optimizer step's micro-batches, the gradients left summed in the parameters
+    def forward_backward(self, batches: list[Batch], loss) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one optimizer step's micro-batches under the training `loss` (a conf/loss; a
+        pipeline's stages train their own cross-entropy), the gradients left summed in the parameters
         as the token mean over every rank's micro-batches (with `count_folded`, as token sums that
         `finish_token_mean` divides); returns this rank's (loss sum, labelled tokens)."""
         ...

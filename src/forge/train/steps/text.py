@@ -1,7 +1,7 @@
 """The step body of a model held whole on this rank (one process, or any dp, tp or ep layout) on token batches
 (inputs, labels[, doc_ids]): each micro-batch's forward and backward in turn. VLMStep adapts it to media batches."""
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,8 @@ EVAL_LOSS = CrossEntropyLoss()
 class TextStep:
     """forward_backward and evaluate of a model that the losses call as `model(inputs, attn_mask=...)`.
 
-    `train_loss(batch)` is the training loss of one micro-batch, with autograd: the trainer's `batch_loss`, which
-    runs conf/loss through this step's `batch_loss` (and lets resilience.inject_nan_at_step spoil one step's).
+    `forward_backward` takes the step's training loss (conf/loss, called as loss(model, inputs, labels,
+    attn_mask)) and runs it on each micro-batch through `batch_loss`.
     `defer_grad_sync` reduces the gradients only after the last micro-batch (unsharded models; sharded ones reduce
     at every micro-batch, so that no unsharded gradient is held between them). With `context` (context
     parallelism) each micro-batch's forward, loss and token count cover this rank's part of every sequence.
@@ -43,7 +43,6 @@ class TextStep:
         dtype: str,
         mesh: DeviceMesh | None = None,
         defer_grad_sync: bool = False,
-        train_loss: Callable[[Batch], torch.Tensor] | None = None,
         context: ContextSplit | None = None,
         hold_weight_casts: bool = False,
         compute_weights: ComputeWeights | None = None,
@@ -54,7 +53,6 @@ class TextStep:
         self.mesh = mesh
         self.token_ranks = token_ranks(mesh)
         self.defer_grad_sync = defer_grad_sync
-        self.train_loss = train_loss
         self.context = context
         self.hold_weight_casts = hold_weight_casts and compute_weights is None
         self.compute_weights = compute_weights
@@ -78,16 +76,16 @@ class TextStep:
     def labelled_tokens(self, batch: Batch) -> torch.Tensor:
         return (self.labels(batch) != IGNORE_INDEX).sum()
 
-    def forward_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each micro-batch's mean loss is weighted by its labelled tokens x token ranks (dp x cp) / the step's
-        labelled tokens over them, so that the gradients, which FSDP/DDP average over those ranks, are those of the
-        token mean: ignored labels (document masking, VLM prompts) weigh nothing. The MoE aux and z losses are each
+    def forward_backward(self, batches: list[Batch], loss: Loss) -> tuple[torch.Tensor, torch.Tensor]:
+        """`loss` of each micro-batch, then its backward. Each micro-batch's mean loss is weighted by its labelled
+        tokens x token ranks (dp x cp) / the step's labelled tokens over them, so that the gradients, which
+        FSDP/DDP average over those ranks, are those of the token mean: ignored labels (document masking, VLM
+        prompts) weigh nothing. The MoE aux and z losses are each
         a mean over a micro-batch's tokens, averaged over micro-batches and ranks.
 
         The division by the step's count: with `count_folded` it is left to `finish_token_mean`, after the
         non-finite flags' all-reduce has summed the count; else the count is all-reduced here, overlapping the
         first micro-batch's forward."""
-        assert self.train_loss is not None, "a TextStep built without train_loss only evaluates"
         counts = to_device(torch.stack([self.labelled_tokens(b) for b in batches]), self.device).float()
         total, pending = None, None
         if not self.count_folded:
@@ -98,15 +96,15 @@ class TextStep:
                 if self.defer_grad_sync:
                     set_gradient_sync(self.model, micro == len(batches) - 1)
                 with loss_context(self.logits_split):
-                    loss = self.train_loss(batch)
+                    value = self.batch_loss(batch, loss)
                     if pending is not None:
                         pending.wait()
                         pending = None
                     weight = counts[micro] * self.token_ranks
                     if total is not None:
                         weight = weight / total.clamp(min=1)
-                    (loss * weight + router_losses(self.model) / len(batches)).backward()
-                loss_sum += loss.detach() * counts[micro]
+                    (value * weight + router_losses(self.model) / len(batches)).backward()
+                loss_sum += value.detach() * counts[micro]
         return loss_sum, counts.sum()
 
     def weights_scope(self):
