@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from forge.metrics import peak as peak_module
+from forge.planning import peak as peak_module
 from forge.planning.peak import TFLOPS, measure_matmul_flops, resolve_peak, table_peak
 
 
