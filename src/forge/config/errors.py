@@ -5,6 +5,12 @@ class ConfigError(ValueError):
     """An impossible or unsupported combination of config values; the message names the keys."""
 
 
+def require(ok: bool, message: str) -> None:
+    """A rule of the config: ConfigError(message) unless `ok` (the validation pass's and the model families')."""
+    if not ok:
+        raise ConfigError(message)
+
+
 def composition_message(err: Exception) -> str:
     """One line for an error Hydra raises while composing (a bad override, a value of the wrong type, a choice
     that is not one of its Enum's, a missing config option): the key, the value and why."""

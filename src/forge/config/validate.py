@@ -10,7 +10,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from forge.config.degrees import Degrees, resolve_degrees
 from forge.config.domains import validate_domains
-from forge.config.errors import ConfigError
+from forge.config.errors import ConfigError, require
 from forge.config.interpolations import validate_interpolations
 from forge.config.schema import (
     EmbeddedDataConfig,
@@ -21,15 +21,10 @@ from forge.models.spec import PARALLEL_DIMS, spec_of
 from forge.parallel.env import read_dist_env
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def _refuse_each(refused: dict[str, bool], message: str) -> None:
     """Refuse the first combination in `refused` ({what: applies}) that applies: `message` with it as {what}."""
     for what, applies in refused.items():
-        _require(not applies, message.format(what=what))
+        require(not applies, message.format(what=what))
 
 
 def cuda_available() -> bool:
@@ -45,7 +40,7 @@ def composed_from(node: DictConfig, schema: type) -> bool:
 
 
 def _one_of(key: str, value, allowed: tuple) -> None:
-    _require(value in allowed, f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+    require(value in allowed, f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
 
 
 def config_groups() -> tuple[str, ...]:
@@ -83,13 +78,13 @@ def validate_top_level(cfg: DictConfig) -> None:
     """A key Hydra appended (`+train_steps=5`, `+experiment=x` without such a group) would be silently ignored."""
     known = config_groups()
     removed = [group for group in known if group not in OPTIONAL_GROUPS and group not in cfg]
-    _require(
+    require(
         not removed,
         f"the config group(s) {', '.join(removed)} were removed (~{removed[0] if removed else ''}), but every run "
         f"needs them; only {', '.join(OPTIONAL_GROUPS)} may be left out",
     )
     unknown = [key for key in cfg if key not in known]
-    _require(
+    require(
         not unknown,
         f"unknown top-level config key(s) {', '.join(map(str, unknown))} (a +key=value or a +group=option Hydra "
         f"did not find as a config group; known: {', '.join(known)})",
@@ -104,12 +99,12 @@ def type_model_node(cfg: DictConfig) -> bool:
     if not isinstance(node, DictConfig) or dataclasses.is_dataclass(OmegaConf.get_type(node)):
         return False
     target = node.get("_target_")
-    _require(isinstance(target, str), "model._target_ must name the model's arguments class")
+    require(isinstance(target, str), "model._target_ must name the model's arguments class")
     try:
         cls = get_class(target)
     except Exception as err:  # noqa: BLE001 - hydra wraps the import's own error
         raise ConfigError(f"model._target_={target}: cannot import it ({str(err).splitlines()[0]})") from None
-    _require(dataclasses.is_dataclass(cls), f"model._target_={target} is not an arguments dataclass")
+    require(dataclasses.is_dataclass(cls), f"model._target_={target} is not an arguments dataclass")
     schema = dataclasses.make_dataclass(
         f"{cls.__name__}Config", [("_target_", str, dataclasses.field(default=target))], bases=(cls,)
     )
@@ -129,7 +124,7 @@ def validate_known_keys(node: DictConfig, prefix: str) -> None:
         return
     declared = {f.name for f in dataclasses.fields(schema)}
     unknown = [key for key in node if key not in declared]
-    _require(not unknown, f"unknown config key(s) {', '.join(f'{prefix}{key}' for key in unknown)}")
+    require(not unknown, f"unknown config key(s) {', '.join(f'{prefix}{key}' for key in unknown)}")
     for key in declared:
         child = node._get_node(key) if key in node else None
         if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
@@ -141,7 +136,7 @@ def validate_model(cfg: DictConfig, degrees: Degrees) -> None:
     spec = spec_of(cfg.model)
     for dim in PARALLEL_DIMS:
         degree = getattr(degrees, dim)
-        _require(
+        require(
             degree == 1 or dim in spec.parallel,
             f"parallel.{dim}={degree} is not supported by the {spec.name} model family (model._target_="
             f"{cfg.model._target_}; it runs {', '.join(['fsdp/hsdp/ddp', *sorted(spec.parallel)])})",
@@ -152,15 +147,15 @@ def validate_model(cfg: DictConfig, degrees: Degrees) -> None:
 def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
     train = cfg.train
     if train.device == "cuda":
-        _require(cuda_available(), "train.device=cuda but no CUDA device is available")
+        require(cuda_available(), "train.device=cuda but no CUDA device is available")
     fill_micro_batch(train, degrees.dp)
-    _require(
+    require(
         train.seq_len <= cfg.model.max_seq_len,
         f"train.seq_len={train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}",
     )
     warmup = cfg.scheduler.get("warmup_steps", 0)
-    _require(warmup <= train.steps, f"scheduler.warmup_steps={warmup} is longer than train.steps={train.steps}")
-    _require(
+    require(warmup <= train.steps, f"scheduler.warmup_steps={warmup} is longer than train.steps={train.steps}")
+    require(
         cfg.model.vocab_size >= cfg.data.vocab_size,
         f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's data.vocab_size="
         f"{cfg.data.vocab_size}",
@@ -172,13 +167,13 @@ def fill_micro_batch(train: DictConfig, dp: int) -> None:
     train.max_micro_batch_size (the rest is gradient accumulation). A given value is only checked."""
     batch, micro, cap = train.global_batch_size, train.micro_batch_size, train.get("max_micro_batch_size")
     if micro is not None:
-        _require(
+        require(
             batch % (micro * dp) == 0,
             f"train.global_batch_size={batch} is not divisible by train.micro_batch_size={micro} x data-parallel "
             f"ranks={dp} (leave train.micro_batch_size unset to split the global batch over the ranks)",
         )
         return
-    _require(
+    require(
         batch % dp == 0,
         f"train.global_batch_size={batch} cannot be split over {dp} data-parallel ranks: make it a multiple of {dp}",
     )
@@ -238,65 +233,65 @@ def unsupported_keys(name: str, cfg: DictConfig, degrees: Degrees) -> str:
 
 def validate_combinations(cfg: DictConfig, degrees: Degrees) -> None:
     for name, applies, why in UNSUPPORTED:
-        _require(not applies(cfg, degrees), f"{unsupported_keys(name, cfg, degrees)} is not supported: {why}")
+        require(not applies(cfg, degrees), f"{unsupported_keys(name, cfg, degrees)} is not supported: {why}")
 
 
 def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
     parallel, model = cfg.parallel, cfg.model
     moe = model.get("moe")
     if degrees.ep > 1:
-        _require(
+        require(
             moe is not None,
             f"parallel.ep={degrees.ep} needs an MoE model (model.moe is null: the model is dense, it has no experts "
             "to split; use model=moe_tiny or another MoE preset, or parallel.ep=1)",
         )
-        _require(
+        require(
             degrees.dp_shard % degrees.ep == 0,
             f"parallel.ep={degrees.ep} must divide parallel.dp_shard={degrees.dp_shard} (expert parallelism borrows "
             f"ranks from the data-parallel shard dimension; data-parallel world size {degrees.dp})",
         )
-        _require(
+        require(
             moe.num_experts % degrees.ep == 0,
             f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={degrees.ep}",
         )
-        _require(
+        require(
             degrees.tp == 1,
             f"parallel.ep={degrees.ep} with parallel.tp={degrees.tp} is not supported (experts are not "
             "tensor-parallel; use parallel.tp=1)",
         )
-        _require(
+        require(
             degrees.pp == 1,
             f"parallel.ep={degrees.ep} with parallel.pp={degrees.pp} is not supported (pipeline stages of MoE "
             "models are not implemented; use parallel.pp=1)",
         )
-        _require(
+        require(
             parallel.activation_checkpoint != "selective",
             f"parallel.ep={degrees.ep} with parallel.activation_checkpoint=selective is not supported (the experts' "
             "own FSDP hooks replay differently when the block is recomputed; use full or none)",
         )
     if degrees.pp > 1:
-        _require(moe is None, f"parallel.pp={degrees.pp} is not supported with an MoE model (model.moe is set)")
-        _require(cfg.get("vlm") is None, f"parallel.pp={degrees.pp} is not supported with a VLM (vlm is set)")
-        _require(
+        require(moe is None, f"parallel.pp={degrees.pp} is not supported with an MoE model (model.moe is set)")
+        require(cfg.get("vlm") is None, f"parallel.pp={degrees.pp} is not supported with a VLM (vlm is set)")
+        require(
             model.n_layers >= degrees.pp,
             f"model.n_layers={model.n_layers} cannot be split over parallel.pp={degrees.pp} stages",
         )
         stages = degrees.pp * (2 if parallel.pp_schedule == "interleaved_1f1b" else 1)
-        _require(
+        require(
             model.n_layers % stages == 0,
             f"model.n_layers={model.n_layers} is not divisible by the {stages} pipeline stages "
             f"(parallel.pp={degrees.pp}, parallel.pp_schedule={parallel.pp_schedule})",
         )
         micro = parallel.microbatches or degrees.pp
         local_batch = cfg.train.micro_batch_size
-        _require(
+        require(
             local_batch % micro == 0,
             f"train.micro_batch_size={local_batch} is not divisible by parallel.microbatches={micro}",
         )
     if parallel.fp8 and cuda_available():
         import torch
 
-        _require(
+        require(
             torch.cuda.get_device_capability() >= (8, 9),
             f"parallel.fp8=true needs a GPU with float8 (compute capability >= 8.9), got "
             f"{torch.cuda.get_device_name()}",
@@ -334,13 +329,13 @@ def validate_data(data: DictConfig) -> None:
     if vocab is None:
         return
     if tokenizer in BYTE_BPE_TOKENIZERS:
-        _require(
+        require(
             vocab >= MIN_BPE_VOCAB,
             f"data.vocab_size={vocab} is too small for the byte-level BPE of data.tokenizer={tokenizer}: at least "
             f"{MIN_BPE_VOCAB} (the 256 bytes and EOS)",
         )
     if tokenizer == "gpt2" and composed_from(data, EmbeddedDataConfig):
-        _require(vocab == GPT2_VOCAB, f"data.vocab_size={vocab} but data.tokenizer=gpt2 has {GPT2_VOCAB} tokens")
+        require(vocab == GPT2_VOCAB, f"data.vocab_size={vocab} but data.tokenizer=gpt2 has {GPT2_VOCAB} tokens")
 
 
 def validate_required(cfg: DictConfig, prefix: str = "") -> None:
@@ -351,7 +346,7 @@ def validate_required(cfg: DictConfig, prefix: str = "") -> None:
     memmap = data is not None and composed_from(data, MemmapDataConfig)
     hints = {"data.path": "the folder forge-prepare-data wrote"} if memmap else {}
     hints["data.vocab_size"] = "the tokenizer's vocabulary size"
-    _require(
+    require(
         not missing,
         "required config value(s) not set: "
         + ", ".join(f"{key} ({hints[key]})" if key in hints else key for key in missing),
@@ -379,7 +374,7 @@ def validate_metrics(cfg: DictConfig) -> None:
         _one_of("metrics.trackers", name, known)
         key = f"metrics.tracker_configs.{name}._target_"
         target = cfg.metrics.tracker_configs[name].get("_target_")
-        _require(bool(target), f"{key} is not set (the tracker class to build)")
+        require(bool(target), f"{key} is not set (the tracker class to build)")
         module, _, attribute = str(target).rpartition(".")
         try:
             parameters = inspect.signature(getattr(importlib.import_module(module), attribute)).parameters
@@ -388,14 +383,14 @@ def validate_metrics(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={target!r} cannot be imported: {reason}") from None
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         missing = [k for k in TRACKER_KEYWORDS if k not in parameters and not takes_any]
-        _require(not missing, f"{key}={target!r} does not take the tracker keyword(s) {', '.join(missing)}")
+        require(not missing, f"{key}={target!r} does not take the tracker keyword(s) {', '.join(missing)}")
 
 
 def validate_checkpoint(cfg: DictConfig) -> None:
     ckpt = cfg.checkpoint
     steps = cfg.train.steps
     outside = [m for m in ckpt.milestones if m > steps]
-    _require(
+    require(
         not outside,
         f"checkpoint.milestones has {', '.join(map(str, outside))}, outside the run's steps 1..train.steps={steps} "
         "(no checkpoint would be saved there)",
@@ -412,7 +407,7 @@ def validate_hf_export(cfg: DictConfig) -> None:
     from forge.checkpoint.hf import hf_adapter
     from forge.train.build import model_args
 
-    _require(cfg.get("vlm") is None, "checkpoint.save_hf=true exports text decoders only, not vision-language models")
+    require(cfg.get("vlm") is None, "checkpoint.save_hf=true exports text decoders only, not vision-language models")
     try:
         args = model_args(cfg)
         hf_adapter(args).args_to_config(args)
@@ -425,7 +420,7 @@ def validate_warm_start_source(source: str) -> None:
     only be found wanting once the model is built."""
     from pathlib import Path
 
-    _require(
+    require(
         not Path(source).expanduser().is_file(),
         f"checkpoint.load_weights={source} is a file: warm start reads a forge run directory or checkpoint folder, "
         "or a Hugging Face folder; convert a weights file first with forge-convert --to dcp",
@@ -435,12 +430,12 @@ def validate_warm_start_source(source: str) -> None:
 def validate_resilience(cfg: DictConfig) -> None:
     res = cfg.resilience
     if res.nonfinite_policy == "rollback":
-        _require(
+        require(
             cfg.checkpoint.interval > 0,
             "resilience.nonfinite_policy=rollback needs periodic checkpoints (checkpoint.interval > 0)",
         )
     metrics = cfg.metrics
-    _require(
+    require(
         metrics.profile_start_step == 0 or metrics.profile_end_step >= metrics.profile_start_step,
         f"metrics.profile_end_step={metrics.profile_end_step} is before metrics.profile_start_step="
         f"{metrics.profile_start_step} (the profiled steps run from the start to the end, inclusive)",
@@ -449,7 +444,7 @@ def validate_resilience(cfg: DictConfig) -> None:
 
 def validate_fault_injection(cfg: DictConfig, world_size: int) -> None:
     rank = cfg.resilience.inject_stall_rank
-    _require(
+    require(
         rank is None or rank < world_size,
         f"resilience.inject_stall_rank={rank} is not a rank of the world size {world_size}",
     )
@@ -460,27 +455,27 @@ def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
     vlm = cfg.get("vlm")
     media_data = composed_from(cfg.data, VLMDataConfig)
     if vlm is None:
-        _require(
+        require(
             not media_data,
             "an image/video data option needs a vision-language model: add vlm=joint_decoder "
             "(or cross_attention, mot, moma)",
         )
         return
-    _require(media_data, "vlm is set but the data has no images: use data=vqa_embedded, video_embedded or image_text")
+    require(media_data, "vlm is set but the data has no images: use data=vqa_embedded, video_embedded or image_text")
     for name in PARALLEL_DIMS:
         value = getattr(degrees, name)
-        _require(value == 1, f"parallel.{name}={value} is not supported with a VLM (data parallelism and FSDP only)")
+        require(value == 1, f"parallel.{name}={value} is not supported with a VLM (data parallelism and FSDP only)")
     for key in ("compile", "fp8"):
-        _require(not cfg.parallel[key], f"parallel.{key}=true is not supported with a VLM yet")
-    _require(
+        require(not cfg.parallel[key], f"parallel.{key}=true is not supported with a VLM yet")
+    require(
         cfg.model.get("attention_kind", "gqa") == "gqa",
         "model.attention_kind=mla is not supported with a VLM (its decoders build grouped-query attention)",
     )
     from forge.models.vlm.connector import POOLING_CONNECTORS
 
     if vlm.connector in POOLING_CONNECTORS:
-        _require(vlm.connector_tokens is not None, f"vlm.connector={vlm.connector} needs vlm.connector_tokens >= 1")
-    _require(
+        require(vlm.connector_tokens is not None, f"vlm.connector={vlm.connector} needs vlm.connector_tokens >= 1")
+    require(
         cfg.data.max_frames >= cfg.data.min_frames,
         f"data.max_frames={cfg.data.max_frames} >= data.min_frames={cfg.data.min_frames} >= 1 must hold",
     )
@@ -492,7 +487,7 @@ def validate_context_parallel(cfg: DictConfig, degrees: Degrees) -> None:
     if cp == 1:
         return
     seq = cfg.train.seq_len
-    _require(
+    require(
         seq % (2 * cp) == 0,
         f"train.seq_len={seq} is not divisible by 2 x parallel.cp={cp} (each cp rank holds two equal chunks)",
     )
@@ -520,9 +515,9 @@ def validate_loss(cfg: DictConfig, degrees: Degrees) -> None:
     if not chunked and not loss.get("z_loss_weight"):
         return
     what = "loss=chunked_cross_entropy" if chunked else f"loss.z_loss_weight={loss.z_loss_weight}"
-    _require(degrees.pp == 1, f"{what} is not supported with parallel.pp={degrees.pp} (the stages use plain CE)")
+    require(degrees.pp == 1, f"{what} is not supported with parallel.pp={degrees.pp} (the stages use plain CE)")
     if chunked:
-        _require(degrees.tp == 1, f"{what} is not supported with parallel.tp={degrees.tp} (the head is split)")
+        require(degrees.tp == 1, f"{what} is not supported with parallel.tp={degrees.tp} (the head is split)")
 
 
 def validate_attention(cfg: DictConfig, degrees: Degrees) -> None:
@@ -531,29 +526,29 @@ def validate_attention(cfg: DictConfig, degrees: Degrees) -> None:
     model = cfg.model
     window = model.get("sliding_window")
     pattern = list(window) if OmegaConf.is_list(window) else [window]
-    _require(
+    require(
         bool(pattern) and all(w is None or (type(w) is int and w >= 1) for w in pattern),
         f"model.sliding_window={window} must be null, a positive int, or a list of positive ints and nulls",
     )
     flex, windowed = model.get("attention") == "flex", any(w is not None for w in pattern)
     if flex:
-        _require(
+        require(
             degrees.pp == 1,
             f"model.attention=flex with parallel.pp={degrees.pp} is not supported: pipeline stages are not built "
             "with BlockMasks; use model.attention=sdpa or parallel.pp=1",
         )
         cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not cuda_available())
-        _require(
+        require(
             not (cpu and cfg.parallel.compile),
             "model.attention=flex with parallel.compile=true is not supported on CPU: inductor's CPU flex kernel has "
             "no backward in torch 2.13; use parallel.compile=false",
         )
-    _require(
+    require(
         cfg.get("vlm") is None or not (flex or windowed),
         "model.attention=flex and model.sliding_window are not supported with a VLM (its decoder builds dense masks "
         "of its own); use model.attention=sdpa and model.sliding_window=null",
     )
-    _require(
+    require(
         not (windowed and cfg.checkpoint.get("save_hf")),
         "checkpoint.save_hf=true with model.sliding_window is not supported: the Hugging Face export has no window",
     )
@@ -566,7 +561,7 @@ def validate_compile_scope(cfg: DictConfig, degrees: Degrees) -> None:
     parallel = cfg.parallel
     if parallel.compile_scope != "model":
         return
-    _require(
+    require(
         parallel.compile,
         "parallel.compile_scope=model needs parallel.compile=true (the scope says what the compile covers)",
     )

@@ -18,6 +18,7 @@ built model only through this module protocol:
   layout (forge.models.common.init_spec, forge.parallel.init).
 """
 
+import functools
 import importlib
 import importlib.util
 import pkgutil
@@ -168,14 +169,15 @@ class ModelSpec:
         return f"{self.args.__module__}.{self.args.__qualname__}"
 
 
-def families() -> list[ModelSpec]:
+@functools.cache
+def families() -> tuple[ModelSpec, ...]:
     """The spec of every model family under forge.models (a package with a `spec` module); importing them runs
     only forge's own code."""
     specs = []
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.ispkg and importlib.util.find_spec(f"forge.models.{info.name}.spec") is not None:
             specs.append(importlib.import_module(f"forge.models.{info.name}.spec").SPEC)
-    return specs
+    return tuple(specs)
 
 
 def known_spec(target: str) -> ModelSpec | None:

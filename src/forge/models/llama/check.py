@@ -4,14 +4,9 @@ field's own range is its domain (forge.config.domains)."""
 from omegaconf import DictConfig, OmegaConf
 
 from forge.config.degrees import Degrees
-from forge.config.errors import ConfigError
+from forge.config.errors import ConfigError, require
 from forge.domain import INT64_MAX
 from forge.models.llama.args import TransformerArgs
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 def check(cfg: DictConfig, degrees: Degrees) -> None:
@@ -19,7 +14,7 @@ def check(cfg: DictConfig, degrees: Degrees) -> None:
     model = cfg.model
     validate_model(model)
     kv = model.n_kv_heads or model.n_heads
-    _require(
+    require(
         model.n_heads % degrees.tp == 0 and kv % degrees.tp == 0,
         f"model.n_heads={model.n_heads} and model.n_kv_heads={kv} must be divisible by parallel.tp={degrees.tp}",
     )
@@ -32,14 +27,14 @@ def validate_model(model: DictConfig) -> None:
     dim, heads, kv = model.dim, model.n_heads, model.n_kv_heads or model.n_heads
     head_dim = model.get("head_dim")
     if head_dim is None:
-        _require(dim % heads == 0, f"model.dim={dim} is not divisible by model.n_heads={heads}")
-        _require((dim // heads) % 2 == 0, f"model.dim / model.n_heads = {dim // heads} must be even for RoPE")
+        require(dim % heads == 0, f"model.dim={dim} is not divisible by model.n_heads={heads}")
+        require((dim // heads) % 2 == 0, f"model.dim / model.n_heads = {dim // heads} must be even for RoPE")
     else:
-        _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
-    _require(heads % kv == 0, f"model.n_heads={heads} is not divisible by model.n_kv_heads={kv}")
+        require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
+    require(heads % kv == 0, f"model.n_heads={heads} is not divisible by model.n_kv_heads={kv}")
     scaling = model.get("rope_scaling")
     if scaling is not None:
-        _require(
+        require(
             scaling.low_freq_factor < scaling.high_freq_factor,
             f"model.rope_scaling.low_freq_factor={scaling.low_freq_factor} must be below "
             f"model.rope_scaling.high_freq_factor={scaling.high_freq_factor} (the band between them is blended)",
@@ -48,24 +43,24 @@ def validate_model(model: DictConfig) -> None:
     validate_tensor_sizes(model)
     moe = model.get("moe")
     if moe is not None:
-        _require(
+        require(
             moe.top_k <= moe.num_experts,
             f"model.moe.top_k={moe.top_k} must be in 1..model.moe.num_experts={moe.num_experts}",
         )
-        _require(
+        require(
             moe.first_dense < model.n_layers,
             f"model.moe.first_dense={moe.first_dense} must be in 0..model.n_layers - 1 ({model.n_layers - 1})",
         )
         groups, kept = moe.expert_groups, moe.groups_per_token
-        _require(
+        require(
             moe.num_experts % groups == 0,
             f"model.moe.expert_groups={groups} must divide model.moe.num_experts={moe.num_experts}",
         )
-        _require(kept <= groups, f"model.moe.groups_per_token={kept} must be in 1..model.moe.expert_groups={groups}")
+        require(kept <= groups, f"model.moe.groups_per_token={kept} must be in 1..model.moe.expert_groups={groups}")
         if groups > 1:
             per_group = moe.num_experts // groups
-            _require(per_group >= 2, f"model.moe.expert_groups={groups} leaves fewer than 2 experts per group")
-            _require(
+            require(per_group >= 2, f"model.moe.expert_groups={groups} leaves fewer than 2 experts per group")
+            require(
                 moe.top_k <= kept * per_group,
                 f"model.moe.top_k={moe.top_k} is more than the {kept * per_group} experts of "
                 f"model.moe.groups_per_token={kept} groups",
@@ -81,7 +76,7 @@ def plain_args(model: DictConfig) -> TransformerArgs:
     except (OverflowError, ValueError) as err:
         message = f"model.ffn_dim_multiplier={model.ffn_dim_multiplier} gives no feed-forward width ({err})"
         raise ConfigError(message) from None
-    _require(
+    require(
         hidden >= 1,
         f"model.ffn_dim_multiplier={model.ffn_dim_multiplier} makes the feed-forward width {hidden} (it must be at "
         "least 1; set model.ffn_dim)",
@@ -112,7 +107,7 @@ def validate_tensor_sizes(model: DictConfig) -> None:
     overflowed"), even on the meta device: refused by its widths. Whether the model fits the device is the run's
     check (forge.train.fits_device), not --plan's."""
     for what, elements in largest_tensors(model).items():
-        _require(
+        require(
             4 * elements <= INT64_MAX,
             f"{what} would hold {elements:.3g} elements, more than a tensor's byte count can hold (2^63 bytes in "
             f"fp32): make the model smaller (model.dim={model.dim}, model.vocab_size={model.vocab_size})",
@@ -126,8 +121,8 @@ def validate_mla(model: DictConfig) -> None:
     if kind != "mla":
         return
     mla = model.mla
-    _require(mla.qk_rope_head_dim % 2 == 0, f"model.mla.qk_rope_head_dim={mla.qk_rope_head_dim} must be even for RoPE")
-    _require(
+    require(mla.qk_rope_head_dim % 2 == 0, f"model.mla.qk_rope_head_dim={mla.qk_rope_head_dim} must be even for RoPE")
+    require(
         not model.qk_norm,
         "model.qk_norm=true is not supported with model.attention_kind=mla (latent attention norms its latents)",
     )
@@ -138,12 +133,12 @@ def validate_moe_tensor_parallel(model: DictConfig, tp: int) -> None:
     .expert_tensor): it must split evenly, and the grouped GEMMs' bf16 strides need a multiple of 8 per rank."""
     args = plain_args(model)
     width = args.moe.expert_ffn_dim or args.hidden_dim
-    _require(
+    require(
         width % tp == 0,
         f"the experts' hidden width {width} (model.moe.expert_ffn_dim, or the dense one) is not divisible by "
         f"parallel.tp={tp}: each tp rank holds an equal part of it",
     )
-    _require(
+    require(
         not args.moe.grouped_mm or (width // tp) % 8 == 0,
         f"model.moe.grouped_mm=true with parallel.tp={tp} leaves each rank {width // tp} of each expert's hidden "
         "width: grouped GEMMs need a multiple of 8 (or model.moe.grouped_mm=false)",
