@@ -132,7 +132,11 @@ def test_a_sigkill_during_an_async_write_leaves_the_previous_checkpoint_latest(t
         time.sleep(0.002)
     code, out = finish(launcher)
     assert killed is not None, out[-3000:]
-    assert code != 0 and f"exitcode  : {EXIT_PEER_LOST}" in out, out[-3000:]
+    assert code != 0 and "exitcode  : -9" in out, out[-3000:]  # rank 1's SIGKILL ends the job
+    # Rank 0 names rank 1 and exits 77 when its next collective fails first; torchrun's teardown (a SIGTERM to the
+    # survivors as soon as it sees rank 1 die, then SIGKILL after 30 s) may end it before. Either way the job
+    # fails; this test is about the checkpoint in flight (exit 77: test_random_sigkills_of_one_rank_resume_bitwise).
+    assert f"exitcode  : {EXIT_PEER_LOST}" in out or "Sending process" in out, out[-3000:]
     assert not (killed / "COMPLETE").exists()
     latest = latest_checkpoint(root)
     assert latest is not None and step_of(latest) == step_of(killed) - 2, (latest, killed)
