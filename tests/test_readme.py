@@ -50,6 +50,10 @@ EXPECT = {
     "forge-train --plan --search": "winner: parallel.dp_replicate=",  # before its prefix: the first match counts
     "torchrun --nproc_per_node=2 -m forge.train --calibrate": "device profile: ",
     "torchrun --nproc_per_node=2 -m forge.train parallel=cp2": "context parallel over 2 ranks",
+    "forge-train --plan model=llama3_70b parallel=tp2_pp2_fsdp": (
+        "plan for 512 ranks",
+        "mesh: {'pp': 4, 'dp_shard': 16, 'tp': 8}",
+    ),
     "forge-train --plan": "plan for 32 ranks",
     "forge-train --help": (
         "== Config groups",

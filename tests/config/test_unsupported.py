@@ -14,9 +14,7 @@ from tests.conftest import ROOT, forge_cmd, one_line
 
 CASES = {  # name -> (overrides, world size)
     "tp+moe+compile": (["parallel=tp2", "model=moe_tiny", "parallel.compile=true"], 2),
-    "tp+pp": (["parallel=pp2", "parallel.tp=2"], 4),
     "fp8+tp": (["parallel=tp2", "parallel.fp8=true"], 2),
-    "pp+document_masking": (["parallel=pp2", "data.document_masking=true"], 2),
 }
 
 
@@ -45,7 +43,7 @@ def test_the_plan_refuses(name):
 
 def test_plan_refuses_with_one_line(tmp_path):
     """The command line of one case (a process each; the plan's refusal of all is checked above, and torchrun's
-    of pp+document_masking below)."""
+    of fp8+tp below)."""
     overrides, world = CASES["fp8+tp"]
     cmd = forge_cmd("--plan", *overrides, f"parallel.world_size={world}", f"hydra.run.dir={tmp_path}")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -55,10 +53,10 @@ def test_plan_refuses_with_one_line(tmp_path):
 @pytest.mark.dist
 def test_torchrun_refuses_before_a_process_group(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "forge.train",
-           *CASES["pp+document_masking"][0], f"hydra.run.dir={tmp_path}"]  # fmt: skip
+           *CASES["fp8+tp"][0], f"hydra.run.dir={tmp_path}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     refusals = [line for line in proc.stderr.splitlines() if "invalid config" in line]
     # the first rank to refuse ends the job; torchrun may stop the other before it prints its own refusal
-    assert 1 <= len(refusals) <= 2 and "data.document_masking=true" in refusals[0], proc.stderr[-3000:]
+    assert 1 <= len(refusals) <= 2 and "parallel.fp8=true" in refusals[0], proc.stderr[-3000:]
     assert "forge/" not in proc.stderr.replace("-m forge.train", "")  # no frame of ours (torchrun reports its own)

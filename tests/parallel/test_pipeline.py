@@ -14,6 +14,7 @@ from forge.parallel.plan import count_local_parameters
 from forge.train.trainer import Trainer
 from tests.parallel.harness import launch
 from tests.parallel.scenarios import TINY, curves
+from tests.parallel.test_context_parallel import document_data
 
 RTOL = 1e-4  # fp32; pipelining only changes how the batch is chunked (micro-batch means of the loss)
 
@@ -23,6 +24,7 @@ FOUR_LAYERS = ["model.n_layers=4"]  # interleaved 1F1B on 2 ranks needs 4 stages
 REFERENCE = {
     "single": ["parallel=single", "train.micro_batch_size=8"],
     "single_4l": ["parallel=single", "train.micro_batch_size=8", *FOUR_LAYERS],
+    "single_tied": ["parallel=single", "train.micro_batch_size=8", "model.tie_embeddings=true"],
 }
 TWO_RANKS = {
     "pp2_gpipe": ["parallel=pp2", "parallel.pp_schedule=gpipe", "train.micro_batch_size=8"],
@@ -38,7 +40,16 @@ TWO_RANKS = {
 FOUR_RANKS = {
     "pp2_fsdp": ["parallel=pp2_fsdp", "train.micro_batch_size=4", "parallel.microbatches=2"],
 }
-REFERENCE_OF = {"pp2_interleaved": "single_4l"}
+# Tensor-parallel stages: the residual stream crosses a stage boundary as a sequence-split DTensor, the last stage's
+# logits are split over the vocabulary (the schedule runs under loss_parallel).
+TP2_PP2 = ["parallel.tp=2", "parallel.pp=2", "parallel.dp_shard=1", "train.micro_batch_size=8"]
+TP_STAGES = {
+    "tp2_pp2_1f1b": TP2_PP2,
+    "tp2_pp2_gpipe": [*TP2_PP2, "parallel.pp_schedule=gpipe"],
+    "tp2_pp2_interleaved": [*TP2_PP2, "parallel.pp_schedule=interleaved_1f1b", *FOUR_LAYERS],
+    "tp2_pp2_tied": [*TP2_PP2, "model.tie_embeddings=true"],
+}
+REFERENCE_OF = {"pp2_interleaved": "single_4l", "tp2_pp2_interleaved": "single_4l", "tp2_pp2_tied": "single_tied"}
 
 
 def run_pipeline_scenarios(scenarios: dict[str, list[str]], root: str) -> dict[str, dict]:
@@ -104,3 +115,35 @@ def test_pp2_fsdp_matches_one_process(tmp_path, reference):
     runs = launch(run_pipeline_scenarios, 4, FOUR_RANKS, str(tmp_path))
     assert_same_curves(runs[0]["pp2_fsdp"], reference["single"])
     assert sum(r["pp2_fsdp"]["local_params"] for r in runs) == runs[0]["pp2_fsdp"]["params"]
+
+
+def test_tensor_parallel_stages_match_one_process(tmp_path, reference):
+    """tp 2 inside each of 2 stages, 4 ranks: each schedule, and tied embeddings split over the vocabulary on the
+    first and the last stage."""
+    runs = launch(run_pipeline_scenarios, 4, TP_STAGES, str(tmp_path))
+    for layout in TP_STAGES:
+        assert_same_curves(runs[0][layout], reference[REFERENCE_OF.get(layout, "single")])
+        assert [rank[layout]["cached_chunks"] for rank in runs] == [0] * 4
+
+
+def test_tp2_pp2_fsdp_matches_one_process(tmp_path, reference):
+    """The shipped 3-D preset on 8 ranks: tp 2 x pp 2 x FSDP 2, each rank holding an eighth of the weights."""
+    scenario = {"tp2_pp2_fsdp": ["parallel=tp2_pp2_fsdp", "train.micro_batch_size=4", "parallel.microbatches=2"]}
+    runs = launch(run_pipeline_scenarios, 8, scenario, str(tmp_path))
+    assert_same_curves(runs[0]["tp2_pp2_fsdp"], reference["single"])
+    norms = (2 * 2 + 1) * 64  # two per block and the final one, replicated over the tp ranks
+    assert sum(r["tp2_pp2_fsdp"]["local_params"] for r in runs) == runs[0]["tp2_pp2_fsdp"]["params"] + norms
+
+
+def test_packed_documents_through_the_stages_match_one_process(tmp_path):
+    """Document masking under pp: every stage builds its chunk's mask from the batch's document ids (the schedule
+    splits them with the batch), and the chunks' losses are token sums over the step's count (each EOS label is
+    ignored, so chunks count different tokens): pp2 (2 chunks, 2 micro-batches) and pp2 x FSDP 2 match one
+    process, which a mean of chunk means would not."""
+    docs = document_data(tmp_path / "lines.jsonl")
+    one = launch(run_pipeline_scenarios, 1, {"single": ["parallel=single", *docs]}, str(tmp_path / "one"))[0]
+    two = {"pp2_docs": ["parallel=pp2", "train.micro_batch_size=4", "parallel.microbatches=2", *docs]}
+    four = {"pp2_fsdp_docs": ["parallel=pp2_fsdp", "train.micro_batch_size=2", "parallel.microbatches=2", *docs]}
+    assert_same_curves(launch(run_pipeline_scenarios, 2, two, str(tmp_path / "pp2"))[0]["pp2_docs"], one["single"])
+    runs = launch(run_pipeline_scenarios, 4, four, str(tmp_path / "pp2_fsdp"))
+    assert_same_curves(runs[0]["pp2_fsdp_docs"], one["single"])

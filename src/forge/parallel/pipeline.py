@@ -31,8 +31,11 @@ from torch.distributed.tensor import DTensor
 
 from forge.config.degrees import Degrees
 from forge.config.schema import PPSchedule
+from forge.models.common.attention import DocumentMask
 from forge.parallel.applied import Applied, logged
 from forge.parallel.init import materialize_sharded
+from forge.parallel.mesh import submesh
+from forge.train.losses import IGNORE_INDEX, loss_context
 
 SCHEDULES = dict(zip(map(str, PPSchedule), (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B), strict=True))
 
@@ -76,6 +79,25 @@ class ReducingStage(Stage):
         self.submod.set_requires_gradient_sync(True)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
+
+
+class ChunkLoss:
+    """The schedule's loss of one chunk on the last stage: the chunk's cross-entropy summed over its labelled
+    tokens, times `weight` (token ranks / the step's labelled tokens over them, set for each step; 1 to evaluate).
+    The summed gradients of every chunk of every micro-batch, averaged by FSDP over the token ranks, are then those
+    of the step's token mean, whatever the chunks' counts of ignored labels (document masking ignores each EOS's
+    label); a mean of chunk means would weigh a chunk's tokens by its count."""
+
+    def __init__(self, mean_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.mean_loss = mean_loss
+        self.weight: torch.Tensor | float = 1.0
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.mean_loss(logits, target) * (target != IGNORE_INDEX).sum() * self.weight
+
+    def token_sum(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The token sum of the chunks whose losses the schedule returned."""
+        return torch.stack([loss.detach().float() for loss in losses]).sum() / self.weight
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -122,8 +144,13 @@ class Pipeline:
     microbatches: int
     applied: list[Applied] = field(default_factory=list)
     """What the plan applied on this rank, in order: each stage's split and then its own plan, then the schedule."""
+    loss: ChunkLoss | None = None
+    """The schedule's loss (on the last stage)."""
     tied_group: dist.ProcessGroup | None = None
     """With tied embeddings, on the ranks of the first and the last stage: the two of them."""
+    vocab_split: bool = False
+    """The last stage's logits are split over the vocabulary (tensor-parallel stages): the schedule runs under
+    `loss_parallel`, which the loss's forward and backward (both inside the schedule) need."""
 
     @property
     def tied(self) -> list[torch.Tensor]:
@@ -146,42 +173,41 @@ class Pipeline:
         """What the optimizer, checkpointing and counting see: the stage, or a ModuleList of two stages."""
         return self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
 
-    def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+    def _run(
+        self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, mask: DocumentMask | None, **kwargs
+    ) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         extra = {"target": labels, "losses": losses} if self.has_last else {}
-        run(*args, **extra, **kwargs)
-        if not self.has_last:
-            return torch.zeros((), device=inputs.device)
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
+        if mask is not None:  # every pp rank reads the batch: the schedule splits the ids into each stage's chunks
+            extra["doc_ids"] = mask.doc_ids.expand(inputs.shape[0], -1)
+        with loss_context(self.vocab_split):
+            run(*args, **extra, **kwargs)
+        return self.loss.token_sum(losses) if self.has_last else torch.zeros((), device=inputs.device)
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one batch; the mean micro-batch loss on the last stage, 0 elsewhere."""
-        return self._run(self.schedule.step, inputs, labels, return_outputs=False)
+    def step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
+        """Forward and backward of one batch (packed documents: `mask`), each chunk's token-summed loss weighted
+        by `weight` (ChunkLoss); the batch's token-summed loss on the last stage, 0 elsewhere."""
+        self.loss.weight = weight
+        return self._run(self.schedule.step, inputs, labels, mask, return_outputs=False)
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward only; the mean loss on the last stage, 0 elsewhere. No outputs are asked for (torch's schedule
-        would concatenate the chunks' logits), and the stages keep none (Stage)."""
-        return self._run(self.schedule.eval, inputs, labels, return_outputs=False)
-
-    @torch.no_grad()
-    def average_grads(self, steps: int) -> None:
-        """Divide the summed gradients of `steps` schedule steps of `microbatches` each by their count.
-
-        The schedules run with scale_grads=False: theirs divides every gradient at the end of each step, which would
-        also shrink what earlier steps of a gradient accumulation left there.
-        """
-        for part in self.parts:
-            for param in part.parameters():
-                if param.grad is not None:
-                    param.grad.div_(steps * self.microbatches)
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        """Forward only; the token-summed loss on the last stage, 0 elsewhere. No outputs are asked for (torch's
+        schedule would concatenate the chunks' logits), and the stages keep none (Stage)."""
+        self.loss.weight = 1.0
+        return self._run(self.schedule.eval, inputs, labels, mask, return_outputs=False)
 
     @torch.no_grad()
     def sum_tied_grads(self) -> None:
         """Give the tied embedding on the first and on the last stage the sum of both stages' gradients (this
         rank's shard of it: the two stages shard it alike)."""
         for param in self.tied:
+            if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+                # under tp the embedding's gradient comes out replicated: take this rank's rows, as the head's are
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             dist.all_reduce(grad, group=self.tied_group)
 
@@ -207,8 +233,6 @@ def build_pipeline(
     weights one process would give the whole model from `seed`, and build the schedule. The pipeline's `applied`
     lists the splits, what `parallelize` returned for each stage, and the schedule. `defer_grad_sync`: reduce the
     gradients once per schedule step (Stage, as torch's PipelineStage), else after each chunk (ReducingStage)."""
-    if degrees.tp > 1:
-        raise NotImplementedError("parallel.pp > 1 with parallel.tp > 1 is not supported yet")
     pp_mesh = mesh["pp"]
     pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
     per_rank = stages_per_rank(parallel_cfg.pp_schedule)
@@ -221,14 +245,21 @@ def build_pipeline(
         applied.append(logged(Applied("pp", detail, {"pp": pp})))
         applied += parallelize(part) or []
     materialize_stages(parts, model, seed, device)
+    for part in parts:
+        part.register_forward_pre_hook(document_mask_of_chunk, with_kwargs=True)
     group = pp_mesh.get_group()
     stage_cls = Stage if defer_grad_sync else ReducingStage
-    stages = [stage_cls(p, s, n_stages, device, group=group) for s, p in zip(stage_ids, parts)]
+
+    # Under tp the stages pass DTensors (the sequence-split residual stream); a receiving stage finds their mesh by
+    # its dimension names
+    def get_mesh(names: tuple[str, ...], layout) -> DeviceMesh:
+        return submesh(mesh, *names)
+
+    stages = [stage_cls(p, s, n_stages, device, group=group, get_mesh=get_mesh) for s, p in zip(stage_ids, parts)]
     microbatches = parallel_cfg.microbatches or pp
     cls = SCHEDULES[parallel_cfg.pp_schedule]
-    schedule = cls(
-        stages if per_rank > 1 else stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
-    )
+    loss = ChunkLoss(loss_fn)
+    schedule = cls(stages if per_rank > 1 else stages[0], n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
     reduced = "once per step" if defer_grad_sync else "after each microbatch"
     detail = (
         f"pipeline: {n_stages} stages on {pp} ranks, {cls.__name__} schedule, {microbatches} microbatches, "
@@ -241,9 +272,20 @@ def build_pipeline(
         tied_group = first_and_last_group(mesh, pp_mesh)  # every rank takes part in creating it
         detail = f"tied embeddings: stages 0 and {n_stages - 1} each hold the matrix; gradients summed between them"
         applied.append(logged(Applied("pp", detail, {"pp": pp})))
-    pipeline = Pipeline(parts, schedule, group, has_first, has_last, pp, microbatches, applied)
+    pipeline = Pipeline(
+        parts, schedule, group, has_first, has_last, pp, microbatches, applied, loss=loss, vocab_split=degrees.tp > 1
+    )
     pipeline.tied_group = tied_group if has_first or has_last else None
     return pipeline
+
+
+def document_mask_of_chunk(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of a stage: the chunk's document ids (a `doc_ids` tensor, which the schedule splits with
+    the batch and hands to every stage) become the model's attention mask."""
+    doc_ids = kwargs.pop("doc_ids", None)
+    if doc_ids is not None:
+        kwargs["attn_mask"] = DocumentMask(doc_ids)
+    return args, kwargs
 
 
 def first_and_last_group(mesh: DeviceMesh, pp_mesh: DeviceMesh) -> dist.ProcessGroup:

@@ -146,7 +146,7 @@ class Trainer:
         self.step_body: Step
         if self.degrees.pp > 1:
             self.pipeline = self.build_pipeline()
-            self.step_body = PipelineStep(self.pipeline, self.device, self.dtype, self.defer_grad_sync)
+            self.step_body = PipelineStep(self.pipeline, self.device, self.dtype, self.defer_grad_sync, self.mesh)
         else:
             parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device, self.dtype)
             build.materialize_parallel(cfg, self.model, self.device, cfg.train.seed)

@@ -1,17 +1,20 @@
 """The step body with parallel.pp > 1: each micro-batch through the pipeline schedule (forge.parallel.pipeline),
 which splits it again into parallel.microbatches chunks; every pp rank reads the same batches.
 
-The schedule's loss is plain cross-entropy on the last stage (validation refuses conf/loss options other than it,
-and document masking, with pp): every token is labelled, so its mean of chunk means is the token mean.
+The schedule's loss is plain cross-entropy on the last stage (validation refuses conf/loss options other than it
+with pp), summed over each chunk's labelled tokens and weighted by the step's count over the token ranks
+(forge.parallel.pipeline.ChunkLoss): the gradients are those of the step's token mean, as one process's.
 """
 
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from forge.data import Batch
 from forge.data.loader import batch_to_device
 from forge.parallel.grads import clip_grad_norm, set_gradient_sync
+from forge.parallel.mesh import start_sum_over_token_ranks, token_ranks
 from forge.parallel.pipeline import Pipeline
 from forge.train.losses import IGNORE_INDEX
 from forge.train.precision import autocast
@@ -21,29 +24,41 @@ class PipelineStep:
     """forward_backward and evaluate of this rank's pipeline stages; the losses are the last stage's, broadcast to
     every pp rank."""
 
-    count_folded = False  # every token is labelled: the loss is a mean of chunk means, no count to wait for
+    count_folded = False  # the step's token count is summed up front: it weighs the chunks' losses
 
-    def __init__(self, pipeline: Pipeline, device: torch.device, dtype: str, defer_grad_sync: bool = False):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        device: torch.device,
+        dtype: str,
+        defer_grad_sync: bool = False,
+        mesh: DeviceMesh | None = None,
+    ):
         self.pipeline = pipeline
         self.model = pipeline.model
         self.device = device
         self.dtype = dtype
         self.defer_grad_sync = defer_grad_sync
+        self.mesh = mesh
 
     def forward_backward(self, batches: list[Batch], loss=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The schedule's forward and backward of each micro-batch; the stages train plain cross-entropy (the
-        last stage's, built into the schedule), so `loss` is not used."""
-        loss_sum, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        last stage's, built into the schedule), so `loss` is not used. Each chunk's token sum is weighted by
+        token ranks / the step's labelled tokens over them (one scalar all-reduce, no host sync)."""
+        counts = torch.stack([(batch[1] != IGNORE_INDEX).sum() for batch in batches]).to(self.device).float()
+        total, pending = start_sum_over_token_ranks(counts.sum(), self.mesh)
+        if pending is not None:
+            pending.wait()
+        weight = token_ranks(self.mesh) / total.clamp(min=1)
+        loss_sum = torch.zeros((), device=self.device)
         for micro, batch in enumerate(batches):
             if self.defer_grad_sync:
                 set_gradient_sync(self.model, micro == len(batches) - 1)
-            inputs, labels, _ = batch_to_device(batch, self.device)
+            inputs, labels, mask = batch_to_device(batch, self.device)
             with autocast(self.device, self.dtype):
-                loss_sum += self.pipeline.step(inputs, labels)  # the mean over the schedule's chunks
-            tokens += (labels != IGNORE_INDEX).sum()
-        self.pipeline.average_grads(len(batches))
+                loss_sum += self.pipeline.step(inputs, labels, weight, mask)
         self.pipeline.sum_tied_grads()
-        return self.pipeline.from_last_stage(loss_sum) / len(batches) * tokens, tokens
+        return self.pipeline.from_last_stage(loss_sum), counts.sum()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.model, max_norm, self.pipeline.group, self.pipeline.counted_elsewhere)
@@ -57,10 +72,9 @@ class PipelineStep:
         self.model.eval()
         total, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for batch in batches:
-            inputs, labels, _ = batch_to_device(batch, self.device)
-            count = (labels != IGNORE_INDEX).sum()
+            inputs, labels, mask = batch_to_device(batch, self.device)
             with autocast(self.device, self.dtype):
-                total += self.pipeline.eval_loss(inputs, labels) * count
-            tokens += count
+                total += self.pipeline.eval_loss(inputs, labels, mask)
+            tokens += (labels != IGNORE_INDEX).sum()
         self.model.train()
         return self.pipeline.from_last_stage(total), tokens
