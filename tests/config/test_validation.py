@@ -71,7 +71,6 @@ CASES = [
         ["parallel.ep=4 must divide parallel.dp_shard=2", "data-parallel world size 4"],
     ),
     (["parallel=ep2_fsdp", "parallel.tp=2", "model=moe", "train.micro_batch_size=4"], 4, ["parallel.tp=2 is not"]),
-    (["parallel=ep2_fsdp", "parallel.pp=2", "model=moe", "train.micro_batch_size=4"], 4, ["parallel.pp=2 is not"]),
     (["parallel=ep2_fsdp", "model=llama_tiny", "train.micro_batch_size=4"], 2, ["the model is dense"]),
     (
         ["parallel=ep2_fsdp", "model=moe", "parallel.activation_checkpoint=selective", "train.micro_batch_size=4"],
@@ -92,7 +91,6 @@ CASES = [
     (["model=moe", "model.moe.expert_groups=8", "model.moe.groups_per_token=1"], 1, ["fewer than 2 experts"]),
     (["model=moe", "model.moe.expert_groups=4", "model.moe.top_k=3"], 1, ["top_k=3 is more than the 2 experts"]),
     (["model=moe", "model.moe.capacity_factor=-1"], 1, ["model.moe.capacity_factor=-1"]),
-    (["parallel=pp2", "model=moe", "train.micro_batch_size=4"], 2, ["parallel.pp=2 is not supported with an MoE"]),
     (["parallel=pp2", "model.n_layers=3", "train.micro_batch_size=4"], 2, ["model.n_layers=3", "parallel.pp=2"]),
     (["parallel=pp2", "model.n_layers=1", "train.micro_batch_size=4"], 2, ["cannot be split"]),
     (

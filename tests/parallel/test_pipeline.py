@@ -147,3 +147,44 @@ def test_packed_documents_through_the_stages_match_one_process(tmp_path):
     assert_same_curves(launch(run_pipeline_scenarios, 2, two, str(tmp_path / "pp2"))[0]["pp2_docs"], one["single"])
     runs = launch(run_pipeline_scenarios, 4, four, str(tmp_path / "pp2_fsdp"))
     assert_same_curves(runs[0]["pp2_fsdp_docs"], one["single"])
+
+
+MOE = ["model=moe_tiny", "model.moe.aux_loss_coef=0.5"]  # a router loss large enough to move the curves
+SIGMOID = ["model.moe.router=sigmoid_topk", "model.moe.bias_update_rate=0.01", "model.moe.aux_loss_coef=0.0"]
+
+
+def test_moe_stages_match_one_process(tmp_path):
+    """MoE blocks in pipeline stages: each stage's router losses join its chunk's output (no loss sent between
+    stages), weighted 1 / the step's chunks as one process weighs its micro-batches; the sigmoid router's loads are
+    tallied per chunk and summed over the token ranks only (the stages hold different layers). pp2 (2 chunks of 4)
+    and tp2 x pp2 match one process with micro-batches of 4; pp2 x ep2 and pp2 x FSDP 2 with the sigmoid router
+    (chunks of 2), with micro-batches of 2."""
+    one = {
+        "moe_micro4": ["parallel=single", "train.micro_batch_size=4", *MOE],
+        "sigmoid_micro4": ["parallel=single", "train.micro_batch_size=4", *MOE, *SIGMOID],
+        "moe_micro2": ["parallel=single", "train.micro_batch_size=2", *MOE],
+        "sigmoid_micro2": ["parallel=single", "train.micro_batch_size=2", *MOE, *SIGMOID],
+    }
+    two = {
+        "pp2_moe": ["parallel=pp2", "train.micro_batch_size=8", "parallel.microbatches=2", *MOE],
+        "pp2_sigmoid": ["parallel=pp2", "train.micro_batch_size=8", "parallel.microbatches=2", *MOE, *SIGMOID],
+    }
+    four = {
+        "pp2_ep2": ["parallel=pp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4", "parallel.microbatches=2", *MOE],
+        "pp2_fsdp_sigmoid": [
+            "parallel=pp2_fsdp",
+            "train.micro_batch_size=4",
+            "parallel.microbatches=2",
+            *MOE,
+            *SIGMOID,
+        ],
+    }
+    want = launch(run_pipeline_scenarios, 1, one, str(tmp_path / "one"))[0]
+    got = launch(run_pipeline_scenarios, 2, two, str(tmp_path / "two"))[0]
+    assert_same_curves(got["pp2_moe"], want["moe_micro4"])
+    assert_same_curves(got["pp2_sigmoid"], want["sigmoid_micro4"])
+    four["tp2_pp2_moe"] = [*TP2_PP2, "parallel.microbatches=2", *MOE]  # the experts' widths split over tp
+    got = launch(run_pipeline_scenarios, 4, four, str(tmp_path / "four"))[0]
+    assert_same_curves(got["tp2_pp2_moe"], want["moe_micro4"])
+    assert_same_curves(got["pp2_ep2"], want["moe_micro2"])
+    assert_same_curves(got["pp2_fsdp_sigmoid"], want["sigmoid_micro2"])

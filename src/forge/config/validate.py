@@ -256,17 +256,11 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
             "tensor-parallel; use parallel.tp=1)",
         )
         require(
-            degrees.pp == 1,
-            f"parallel.ep={degrees.ep} with parallel.pp={degrees.pp} is not supported (pipeline stages of MoE "
-            "models are not implemented; use parallel.pp=1)",
-        )
-        require(
             parallel.activation_checkpoint != "selective",
             f"parallel.ep={degrees.ep} with parallel.activation_checkpoint=selective is not supported (the experts' "
             "own FSDP hooks replay differently when the block is recomputed; use full or none)",
         )
     if degrees.pp > 1:
-        require(moe is None, f"parallel.pp={degrees.pp} is not supported with an MoE model (model.moe is set)")
         require(cfg.get("vlm") is None, f"parallel.pp={degrees.pp} is not supported with a VLM (vlm is set)")
         require(
             model.n_layers >= degrees.pp,

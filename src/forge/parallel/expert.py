@@ -17,6 +17,8 @@ and `shard_experts(model, ep_mesh)` (the parallel plan's) makes the stacked expe
 dim 0 over the `ep` mesh dimension, so FSDP2 can shard them further and DCP saves them as whole tensors.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from forge.models.common.moe import moe_layers
 from forge.models.common.moe.dispatch import ExpertCompute
+from forge.parallel.mesh import token_mesh
 
 
 class ExpertParallelDispatch:
@@ -133,7 +136,15 @@ def sum_sequence_counts_over(group: dist.ProcessGroup, model: nn.Module) -> int:
     return len(layers)
 
 
-def sum_over_ranks(tensor: torch.Tensor) -> None:
-    """In-place sum over all processes (no-op in a single process): for the routers' bias update."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
+def sum_over_token_ranks_in_place(mesh: DeviceMesh | None) -> Callable[[torch.Tensor], None]:
+    """An in-place sum over the ranks holding different tokens of a step (dp x cp; forge.parallel.mesh.token_mesh),
+    for the routers' bias update and load metrics. Not over the world: pipeline stages hold different layers, whose
+    loads must not be added, and tensor-parallel peers route the same tokens."""
+    tokens = token_mesh(mesh)
+    group = tokens.get_group() if tokens is not None and tokens.size() > 1 else None
+
+    def reduce(tensor: torch.Tensor) -> None:
+        if group is not None:
+            dist.all_reduce(tensor, group=group)
+
+    return reduce

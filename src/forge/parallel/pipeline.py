@@ -32,6 +32,8 @@ from torch.distributed.tensor import DTensor
 from forge.config.degrees import Degrees
 from forge.config.schema import PPSchedule
 from forge.models.common.attention import DocumentMask
+from forge.models.common.moe import moe_layers
+from forge.models.common.moe.balance import router_losses
 from forge.parallel.applied import Applied, logged
 from forge.parallel.init import materialize_sharded
 from forge.parallel.mesh import submesh
@@ -47,7 +49,11 @@ class Stage(PipelineStage):
     others once their send is built (the send holds the output)."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
-        output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self.submod.forge_chunk = True  # a chunk of the schedule, not torch's metadata inference: RouterLosses
+        try:
+            output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        finally:
+            self.submod.forge_chunk = False
         if self.is_last and not self.has_backward:
             self.fwd_cache.pop(fwd_chunk_id, None)
         return output
@@ -100,6 +106,42 @@ class ChunkLoss:
         return torch.stack([loss.detach().float() for loss in losses]).sum() / self.weight
 
 
+class _WithRouterLosses(torch.autograd.Function):
+    """The identity on a stage's output, whose backward also starts the backward of `losses` with gradient
+    `scale` (as Megatron's MoEAuxLossAutoScaler): the chunk's router losses reach the gradients from the stage
+    that computed them, with no loss sent between stages and no host sync."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, losses: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(losses)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (losses,) = ctx.saved_tensors
+        return grad, torch.full_like(losses, ctx.scale), None
+
+
+class RouterLosses:
+    """Forward hook of a stage with MoE layers: after each chunk's forward, the layers' router losses (aux and z,
+    weighted by their coefficients) join the stage's output with weight `scale` = 1 / the step's chunks, as one
+    process adds them per micro-batch / micro-batches; the expert loads are tallied per chunk for the bias update
+    and the metrics. Forwards outside the schedule's chunks (torch's metadata inference) and without grad
+    (evaluation) are left alone."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if not getattr(module, "forge_chunk", False) or not torch.is_grad_enabled():
+            return None
+        losses = router_losses(module)
+        if not losses.requires_grad:
+            return None
+        return _WithRouterLosses.apply(output, losses, self.scale)
+
+
 def stages_per_rank(schedule: str) -> int:
     return 2 if schedule == "interleaved_1f1b" else 1
 
@@ -146,6 +188,8 @@ class Pipeline:
     """What the plan applied on this rank, in order: each stage's split and then its own plan, then the schedule."""
     loss: ChunkLoss | None = None
     """The schedule's loss (on the last stage)."""
+    routers: RouterLosses | None = None
+    """The stages' router losses (MoE), weighted per chunk."""
     tied_group: dist.ProcessGroup | None = None
     """With tied embeddings, on the ranks of the first and the last stage: the two of them."""
     vocab_split: bool = False
@@ -186,11 +230,18 @@ class Pipeline:
         return self.loss.token_sum(losses) if self.has_last else torch.zeros((), device=inputs.device)
 
     def step(
-        self, inputs: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, mask: DocumentMask | None = None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        weight: torch.Tensor,
+        mask: DocumentMask | None = None,
+        accumulated: int = 1,
     ) -> torch.Tensor:
-        """Forward and backward of one batch (packed documents: `mask`), each chunk's token-summed loss weighted
-        by `weight` (ChunkLoss); the batch's token-summed loss on the last stage, 0 elsewhere."""
+        """Forward and backward of one of `accumulated` batches of a step (packed documents: `mask`), each chunk's
+        token-summed loss weighted by `weight` (ChunkLoss), its router losses by 1 / the step's chunks
+        (RouterLosses); the batch's token-summed loss on the last stage, 0 elsewhere."""
         self.loss.weight = weight
+        self.routers.scale = 1.0 / (accumulated * self.microbatches)
         return self._run(self.schedule.step, inputs, labels, mask, return_outputs=False)
 
     @torch.no_grad()
@@ -245,8 +296,11 @@ def build_pipeline(
         applied.append(logged(Applied("pp", detail, {"pp": pp})))
         applied += parallelize(part) or []
     materialize_stages(parts, model, seed, device)
+    routers = RouterLosses()
     for part in parts:
         part.register_forward_pre_hook(document_mask_of_chunk, with_kwargs=True)
+        if moe_layers(part):
+            part.register_forward_hook(routers)
     group = pp_mesh.get_group()
     stage_cls = Stage if defer_grad_sync else ReducingStage
 
@@ -272,9 +326,8 @@ def build_pipeline(
         tied_group = first_and_last_group(mesh, pp_mesh)  # every rank takes part in creating it
         detail = f"tied embeddings: stages 0 and {n_stages - 1} each hold the matrix; gradients summed between them"
         applied.append(logged(Applied("pp", detail, {"pp": pp})))
-    pipeline = Pipeline(
-        parts, schedule, group, has_first, has_last, pp, microbatches, applied, loss=loss, vocab_split=degrees.tp > 1
-    )
+    pipeline = Pipeline(parts, schedule, group, has_first, has_last, pp, microbatches, applied, loss, routers)
+    pipeline.vocab_split = degrees.tp > 1
     pipeline.tied_group = tied_group if has_first or has_last else None
     return pipeline
 

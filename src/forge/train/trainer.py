@@ -17,7 +17,7 @@ from forge.metrics.setup import build_metrics_logger, build_profiler, build_step
 from forge.models.common.moe import moe_layers, moe_metrics, update_router_biases
 from forge.parallel import dist
 from forge.parallel.context_parallel import ContextSplit
-from forge.parallel.expert import sum_over_ranks
+from forge.parallel.expert import sum_over_token_ranks_in_place
 from forge.parallel.mesh import build_mesh, dp_rank_and_size
 from forge.parallel.pipeline import Pipeline, build_pipeline
 from forge.parallel.plan import float8_all_gather_enabled, parallelize, param_dtype
@@ -93,6 +93,7 @@ class Trainer:
             self.checkpointer.check_writable()  # before the model is built, not at the first save
             save_hydra_files(self.run_dir, cfg)  # this run owns the directory now: its config replaces the last one
         self.mesh = build_mesh(self.degrees, self.device.type)
+        self.sum_loads = sum_over_token_ranks_in_place(self.mesh)  # the routers' loads, for their bias update
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
 
         self.loss_fn = build.build_loss(cfg)
@@ -237,7 +238,7 @@ class Trainer:
             with applied_where(self.optimizer, mask):
                 self.optimizer.step()
             # sigmoid routers: outside the gradient; the loads are summed over ranks only where needed
-            update_router_biases(self.model, sum_over_ranks, for_metrics=self.is_log_step(step), mask=mask)
+            update_router_biases(self.model, self.sum_loads, for_metrics=self.is_log_step(step), mask=mask)
             if self.float8_all_gather:
                 from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

@@ -24,7 +24,7 @@ def layouts(
     args, world_size: int, global_batch: int, gpus_per_node: int, max_micro: int, seq_len: int | None = None
 ) -> Iterator[Layout]:
     """Candidates for a model of `args`: tp within a node and dividing the (key/value) heads, pp dividing the
-    blocks (dense models only), cp a power of two with tp x cp within a node, dividing seq_len into 2 x cp chunks
+    blocks, cp a power of two with tp x cp within a node, dividing seq_len into 2 x cp chunks
     (models without pp; none when seq_len is not given), ep dividing the experts and dp_shard (MoE only, without tp
     or cp; under tp an MoE's expert width must split over it), every split of the data-parallel ranks into
     dp_replicate x dp_shard, micro-batches dividing each rank's share of the batch."""
@@ -35,7 +35,7 @@ def layouts(
         if tp > gpus_per_node or args.n_heads % tp or kv_heads % tp or (moe is not None and expert_width % tp):
             continue
         for pp in divisors(world_size // tp) if "pp" in supported else [1]:
-            if args.n_layers % pp or (moe is not None and pp > 1):
+            if args.n_layers % pp:
                 continue
             cps = context_degrees(args, world_size // tp // pp, pp, gpus_per_node // tp, seq_len)
             for cp in cps if "cp" in supported else [1]:

@@ -56,7 +56,7 @@ class PipelineStep:
                 set_gradient_sync(self.model, micro == len(batches) - 1)
             inputs, labels, mask = batch_to_device(batch, self.device)
             with autocast(self.device, self.dtype):
-                loss_sum += self.pipeline.step(inputs, labels, weight, mask)
+                loss_sum += self.pipeline.step(inputs, labels, weight, mask, len(batches))
         self.pipeline.sum_tied_grads()
         return self.pipeline.from_last_stage(loss_sum), counts.sum()
 
