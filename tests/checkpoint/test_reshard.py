@@ -109,6 +109,11 @@ LAYOUTS = {
     "single": (["parallel=single"], [(ALL_BLOCKS, [])]),
     "pp2_interleaved": (INTERLEAVED, [([0, 2], []), ([1, 3], [])]),  # two stages per rank: an nn.ModuleList
     "cp2_fsdp2": (["parallel=cp2_fsdp"], [(ALL_BLOCKS, ["S(0)"])] * 4),  # FSDP over dp_shard 2 x cp 2
+    # tp 2 inside each of 2 stages: ranks 0-1 hold blocks 0-1 split over tp, ranks 2-3 blocks 2-3
+    "tp2_pp2": (
+        ["parallel.tp=2", "parallel.pp=2", "parallel.dp_shard=1"],
+        [([0, 1], ["S(0)"])] * 2 + [([2, 3], ["S(0)"])] * 2,
+    ),
 }
 
 
@@ -168,3 +173,28 @@ def test_context_parallel_checkpoint_resumes_in_one_process(tmp_path):
     torch.testing.assert_close(
         [resumed[s] for s in sorted(resumed)], [whole[s] for s in sorted(resumed)], rtol=LOSS_RTOL, atol=0
     )
+
+
+def test_tp2_pp2_checkpoint_resumes_in_one_process_and_in_fsdp4(tmp_path):
+    """tp 2 x pp 2 on 4 gloo ranks saves at step 3; one process and FSDP over 4 ranks each restore it bit for bit
+    and train on with its losses (the other way, fsdp4 -> tp2 x pp2, is LAYOUTS' tp2_pp2)."""
+    tp_pp = ["parallel.tp=2", "parallel.pp=2", "parallel.dp_shard=1"]
+    saving = tmp_path / "tp2_pp2"
+    launch(train, 4, str(saving), [*COMMON, *tp_pp, f"checkpoint.milestones=[{SAVED_AT}]"], timeout=420)
+    checkpoint = saving / f"checkpoints/step-{SAVED_AT:08d}"
+    state, whole = consolidated(checkpoint), losses(saving)
+    for name, overrides, nproc in (("single", ["parallel=single"], 1), ("fsdp4", ["parallel=fsdp"], 4)):
+        run, dumps = tmp_path / name, tmp_path / f"{name}_dumps"
+        args = [str(run), str(dumps), [*COMMON, *overrides, f"checkpoint.resume={checkpoint}"]]
+        if nproc == 1:
+            resume(*args)
+        else:
+            launch(resume, nproc, *args, timeout=420)
+        restored = merged_dumps(dumps)
+        assert_identical(state["model"], restored["model"], f"{name}: model")
+        assert_identical(state["optim"]["state"], restored["optim"], f"{name}: optimizer state")
+        resumed = losses(run)
+        assert sorted(resumed) == list(range(SAVED_AT + 1, STEPS + 1)), name
+        torch.testing.assert_close(
+            [resumed[s] for s in sorted(resumed)], [whole[s] for s in sorted(resumed)], rtol=LOSS_RTOL, atol=0
+        )

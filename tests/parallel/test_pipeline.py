@@ -138,15 +138,18 @@ def test_tp2_pp2_fsdp_matches_one_process(tmp_path, reference):
 def test_packed_documents_through_the_stages_match_one_process(tmp_path):
     """Document masking under pp: every stage builds its chunk's mask from the batch's document ids (the schedule
     splits them with the batch), and the chunks' losses are token sums over the step's count (each EOS label is
-    ignored, so chunks count different tokens): pp2 (2 chunks, 2 micro-batches) and pp2 x FSDP 2 match one
-    process, which a mean of chunk means would not."""
+    ignored, so chunks count different tokens): pp2 (2 chunks, 2 micro-batches), pp2 x FSDP 2 and cp2 x pp2 (each
+    stage's mask places the rank's positions in the whole sequences) match one process, which a mean of chunk
+    means would not."""
     docs = document_data(tmp_path / "lines.jsonl")
     one = launch(run_pipeline_scenarios, 1, {"single": ["parallel=single", *docs]}, str(tmp_path / "one"))[0]
     two = {"pp2_docs": ["parallel=pp2", "train.micro_batch_size=4", "parallel.microbatches=2", *docs]}
     four = {"pp2_fsdp_docs": ["parallel=pp2_fsdp", "train.micro_batch_size=2", "parallel.microbatches=2", *docs]}
     assert_same_curves(launch(run_pipeline_scenarios, 2, two, str(tmp_path / "pp2"))[0]["pp2_docs"], one["single"])
+    four["cp2_pp2_docs"] = ["parallel.cp=2", "parallel.pp=2", "parallel.dp_shard=1", "train.micro_batch_size=8", *docs]
     runs = launch(run_pipeline_scenarios, 4, four, str(tmp_path / "pp2_fsdp"))
     assert_same_curves(runs[0]["pp2_fsdp_docs"], one["single"])
+    assert_same_curves(runs[0]["cp2_pp2_docs"], one["single"])
 
 
 MOE = ["model=moe_tiny", "model.moe.aux_loss_coef=0.5"]  # a router loss large enough to move the curves
@@ -188,3 +191,10 @@ def test_moe_stages_match_one_process(tmp_path):
     assert_same_curves(got["tp2_pp2_moe"], want["moe_micro4"])
     assert_same_curves(got["pp2_ep2"], want["moe_micro2"])
     assert_same_curves(got["pp2_fsdp_sigmoid"], want["sigmoid_micro2"])
+
+
+def test_four_dimensional_layout_matches_one_process(tmp_path, reference):
+    """tp 2 x cp 2 x pp 2 on 8 ranks: each stage tensor-parallel, each sequence split over the cp ranks."""
+    scenario = {"tp2_cp2_pp2": ["parallel.tp=2", "parallel.cp=2", *TP2_PP2[1:]]}
+    runs = launch(run_pipeline_scenarios, 8, scenario, str(tmp_path))
+    assert_same_curves(runs[0]["tp2_cp2_pp2"], reference["single"])

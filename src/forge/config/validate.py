@@ -482,7 +482,6 @@ def validate_context_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         f"train.seq_len={seq} is not divisible by 2 x parallel.cp={cp} (each cp rank holds two equal chunks)",
     )
     refused = {
-        f"parallel.pp={degrees.pp}": degrees.pp > 1,
         f"parallel.ep={degrees.ep} (the expert weights' FSDP group would leave out the cp ranks)": degrees.ep > 1,
         "model.moe.capacity_factor > 0 (each cp rank would drop from its own part of the sequences)": (
             cfg.model.get("moe") is not None and cfg.model.moe.capacity_factor > 0

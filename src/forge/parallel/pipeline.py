@@ -142,6 +142,22 @@ class RouterLosses:
         return _WithRouterLosses.apply(output, losses, self.scale)
 
 
+class ChunkMasks:
+    """Forward pre-hook of a stage: the chunk's document ids (a `doc_ids` tensor, which the schedule splits with
+    the batch and hands to every stage) become the model's attention mask, placed in the whole sequences by the
+    step's `queries` and `keys` positions under context parallelism (forge.parallel.context_parallel)."""
+
+    def __init__(self) -> None:
+        self.queries: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        doc_ids = kwargs.pop("doc_ids", None)
+        if doc_ids is not None:
+            kwargs["attn_mask"] = DocumentMask(doc_ids, queries=self.queries, keys=self.keys)
+        return args, kwargs
+
+
 def stages_per_rank(schedule: str) -> int:
     return 2 if schedule == "interleaved_1f1b" else 1
 
@@ -190,6 +206,8 @@ class Pipeline:
     """The schedule's loss (on the last stage)."""
     routers: RouterLosses | None = None
     """The stages' router losses (MoE), weighted per chunk."""
+    masks: ChunkMasks | None = None
+    """The stages' attention masks of packed documents or context-parallel positions."""
     tied_group: dist.ProcessGroup | None = None
     """With tied embeddings, on the ranks of the first and the last stage: the two of them."""
     vocab_split: bool = False
@@ -225,6 +243,7 @@ class Pipeline:
         extra = {"target": labels, "losses": losses} if self.has_last else {}
         if mask is not None:  # every pp rank reads the batch: the schedule splits the ids into each stage's chunks
             extra["doc_ids"] = mask.doc_ids.expand(inputs.shape[0], -1)
+            self.masks.queries, self.masks.keys = mask.queries, mask.keys
         with loss_context(self.vocab_split):
             run(*args, **extra, **kwargs)
         return self.loss.token_sum(losses) if self.has_last else torch.zeros((), device=inputs.device)
@@ -296,9 +315,9 @@ def build_pipeline(
         applied.append(logged(Applied("pp", detail, {"pp": pp})))
         applied += parallelize(part) or []
     materialize_stages(parts, model, seed, device)
-    routers = RouterLosses()
+    routers, masks = RouterLosses(), ChunkMasks()
     for part in parts:
-        part.register_forward_pre_hook(document_mask_of_chunk, with_kwargs=True)
+        part.register_forward_pre_hook(masks, with_kwargs=True)
         if moe_layers(part):
             part.register_forward_hook(routers)
     group = pp_mesh.get_group()
@@ -326,19 +345,10 @@ def build_pipeline(
         tied_group = first_and_last_group(mesh, pp_mesh)  # every rank takes part in creating it
         detail = f"tied embeddings: stages 0 and {n_stages - 1} each hold the matrix; gradients summed between them"
         applied.append(logged(Applied("pp", detail, {"pp": pp})))
-    pipeline = Pipeline(parts, schedule, group, has_first, has_last, pp, microbatches, applied, loss, routers)
+    pipeline = Pipeline(parts, schedule, group, has_first, has_last, pp, microbatches, applied, loss, routers, masks)
     pipeline.vocab_split = degrees.tp > 1
     pipeline.tied_group = tied_group if has_first or has_last else None
     return pipeline
-
-
-def document_mask_of_chunk(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Forward pre-hook of a stage: the chunk's document ids (a `doc_ids` tensor, which the schedule splits with
-    the batch and hands to every stage) become the model's attention mask."""
-    doc_ids = kwargs.pop("doc_ids", None)
-    if doc_ids is not None:
-        kwargs["attn_mask"] = DocumentMask(doc_ids)
-    return args, kwargs
 
 
 def first_and_last_group(mesh: DeviceMesh, pp_mesh: DeviceMesh) -> dist.ProcessGroup:

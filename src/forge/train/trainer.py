@@ -145,13 +145,15 @@ class Trainer:
         self.freeze = Unfrozen()
         self.pipeline: Pipeline | None = None
         self.step_body: Step
+        context = ContextSplit(self.mesh["cp"]) if self.degrees.cp > 1 else None
         if self.degrees.pp > 1:
             self.pipeline = self.build_pipeline()
-            self.step_body = PipelineStep(self.pipeline, self.device, self.dtype, self.defer_grad_sync, self.mesh)
+            self.step_body = PipelineStep(
+                self.pipeline, self.device, self.dtype, self.defer_grad_sync, self.mesh, context
+            )
         else:
             parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device, self.dtype)
             build.materialize_parallel(cfg, self.model, self.device, cfg.train.seed)
-            context = ContextSplit(self.mesh["cp"]) if self.degrees.cp > 1 else None
             self.step_body = TextStep(
                 self.model,
                 self.device,

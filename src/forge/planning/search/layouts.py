@@ -25,7 +25,7 @@ def layouts(
 ) -> Iterator[Layout]:
     """Candidates for a model of `args`: tp within a node and dividing the (key/value) heads, pp dividing the
     blocks, cp a power of two with tp x cp within a node, dividing seq_len into 2 x cp chunks
-    (models without pp; none when seq_len is not given), ep dividing the experts and dp_shard (MoE only, without tp
+    (none when seq_len is not given), ep dividing the experts and dp_shard (MoE only, without tp
     or cp; under tp an MoE's expert width must split over it), every split of the data-parallel ranks into
     dp_replicate x dp_shard, micro-batches dividing each rank's share of the batch."""
     moe, supported = getattr(args, "moe", None), spec_of(args).parallel
@@ -57,7 +57,7 @@ def layouts(
 
 def context_degrees(args, ranks: int, pp: int, per_node: int, seq_len: int | None) -> list[int]:
     """The cp degrees forge.config.validate accepts here (1 always)."""
-    if seq_len is None or pp > 1:
+    if seq_len is None:
         return [1]
     return [cp for cp in powers_of_two(min(ranks, max(per_node, 1))) if ranks % cp == 0 and seq_len % (2 * cp) == 0]
 
