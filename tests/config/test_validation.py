@@ -94,6 +94,21 @@ CASES = [
     (["parallel=pp2", "model.n_layers=3", "train.micro_batch_size=4"], 2, ["model.n_layers=3", "parallel.pp=2"]),
     (["parallel=pp2", "model.n_layers=1", "train.micro_batch_size=4"], 2, ["cannot be split"]),
     (
+        ["parallel=pp2_fsdp", "parallel.pp_schedule=zbv", "model.n_layers=4", "train.micro_batch_size=4"],
+        4,
+        ["parallel.pp_schedule=zbv with data or context parallelism (dp 2, cp 1)"],
+    ),
+    (
+        ["parallel=pp2", "parallel.pp_schedule=interleaved_zb", "model.n_layers=4", "parallel.compile=true"],
+        2,
+        ["parallel.pp_schedule=interleaved_zb with parallel.compile=true"],
+    ),
+    (
+        ["parallel=pp2", "parallel.pp_schedule=dualpipev", "model.n_layers=4", "model.tie_embeddings=true"],
+        2,
+        ["parallel.pp_schedule=dualpipev with model.tie_embeddings=true"],
+    ),
+    (
         ["parallel=pp2", "train.micro_batch_size=6", "train.global_batch_size=6"],
         2,
         ["train.micro_batch_size=6", "parallel.microbatches=4"],

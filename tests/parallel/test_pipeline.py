@@ -36,6 +36,17 @@ TWO_RANKS = {
         "train.micro_batch_size=8",
         *FOUR_LAYERS,
     ],
+    # zero-bubble: input and weight gradients apart, the weight ones filling the bubble (4 chunks: a steady state)
+    **{
+        f"pp2_{schedule}": [
+            "parallel=pp2",
+            f"parallel.pp_schedule={schedule}",
+            "train.micro_batch_size=8",
+            "parallel.microbatches=4",
+            *FOUR_LAYERS,
+        ]
+        for schedule in ("interleaved_zb", "zbv", "dualpipev")
+    },
 }
 FOUR_RANKS = {
     "pp2_fsdp": ["parallel=pp2_fsdp", "train.micro_batch_size=4", "parallel.microbatches=2"],
@@ -48,8 +59,17 @@ TP_STAGES = {
     "tp2_pp2_gpipe": [*TP2_PP2, "parallel.pp_schedule=gpipe"],
     "tp2_pp2_interleaved": [*TP2_PP2, "parallel.pp_schedule=interleaved_1f1b", *FOUR_LAYERS],
     "tp2_pp2_tied": [*TP2_PP2, "model.tie_embeddings=true"],
+    "tp2_pp2_zbv": [*TP2_PP2, "parallel.pp_schedule=zbv", *FOUR_LAYERS],
 }
-REFERENCE_OF = {"pp2_interleaved": "single_4l", "tp2_pp2_interleaved": "single_4l", "tp2_pp2_tied": "single_tied"}
+REFERENCE_OF = {
+    "pp2_interleaved": "single_4l",
+    "pp2_interleaved_zb": "single_4l",
+    "pp2_zbv": "single_4l",
+    "pp2_dualpipev": "single_4l",
+    "tp2_pp2_interleaved": "single_4l",
+    "tp2_pp2_zbv": "single_4l",
+    "tp2_pp2_tied": "single_tied",
+}
 
 
 def run_pipeline_scenarios(scenarios: dict[str, list[str]], root: str) -> dict[str, dict]:
@@ -67,6 +87,7 @@ def run_pipeline_scenarios(scenarios: dict[str, list[str]], root: str) -> dict[s
             schedule = trainer.pipeline.schedule
             stages = getattr(schedule, "_stages", None) or [schedule._stage]
             layout["cached_chunks"] = sum(len(stage.fwd_cache) for stage in stages)
+            layout["stages"] = [stage.stage_index for stage in stages]
         out[name] = layout | (curves(trainer.run_dir) if is_main_process() else {})
     return out
 
@@ -102,6 +123,9 @@ def test_stages_hold_disjoint_blocks(two_ranks):
     )
     for run in ("pp2_gpipe", "pp2_1f1b"):
         assert two_ranks[0][run]["local_params"] + two_ranks[1][run]["local_params"] == two_ranks[0][run]["params"]
+    assert [rank["pp2_interleaved_zb"]["stages"] for rank in two_ranks] == [[0, 2], [1, 3]]  # looped
+    for run in ("pp2_zbv", "pp2_dualpipev"):  # a V: the first and the last stage on rank 0
+        assert [rank[run]["stages"] for rank in two_ranks] == [[0, 3], [1, 2]]
 
 
 @pytest.mark.parametrize("layout", list(TWO_RANKS))

@@ -29,8 +29,24 @@ class ModelConfig(TransformerArgs):
 
 
 # A choice's name is its value: OmegaConf turns `parallel.pp_schedule=1f1b` into the member of that name.
-PPSchedule = StrEnum("PPSchedule", [(name, name) for name in ("gpipe", "1f1b", "interleaved_1f1b")], module=__name__)
+PPSchedule = StrEnum(
+    "PPSchedule",
+    [(name, name) for name in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")],
+    module=__name__,
+)
 """ParallelConfig.pp_schedule's choices (forge.parallel.pipeline runs them)."""
+
+
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
+"""Pipeline schedules whose backward is split into input and weight gradients (the weight ones fill the bubble)."""
+V_SHAPED = ("zbv", "dualpipev")
+"""Schedules whose two stages per rank form a V: rank r holds stages r and 2 pp - 1 - r (the first and the last on
+rank 0)."""
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Pipeline stages each pp rank holds under `schedule` (a parallel.pp_schedule)."""
+    return 1 if schedule in ("gpipe", "1f1b") else 2
 
 
 class ActivationCheckpoint(StrEnum):
@@ -70,11 +86,14 @@ class ParallelConfig:
     tp: int = domain(1, ge=-1, means="-1 fills the world size")
     """Tensor-parallel degree (heads and MLP split; sequence parallel on norms)."""
     pp: int = domain(1, ge=-1, means="-1 fills the world size")
-    """Pipeline-parallel stages (dense models only)."""
+    """Pipeline-parallel degree: ranks each holding consecutive blocks (one stage, or two under interleaved_1f1b,
+    interleaved_zb, zbv and dualpipev)."""
     ep: int = domain(1, ge=1)
     """Expert-parallel degree (MoE models only); experts must divide evenly."""
     pp_schedule: PPSchedule = PPSchedule["1f1b"]
-    """Pipeline schedule: gpipe, 1f1b or interleaved_1f1b."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (two looped stages per rank), or the zero-bubble ones, whose
+    weight gradients fill the bubble: interleaved_zb (looped), zbv and dualpipev (two stages per rank in a V: rank r
+    holds stages r and 2 pp - 1 - r); the zero-bubble ones without data or context parallelism."""
     microbatches: Optional[int] = domain(None, ge=1)
     """Pipeline microbatches per step; None uses the number of stages."""
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none

@@ -25,12 +25,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
 from forge.config.degrees import Degrees
-from forge.config.schema import PPSchedule
+from forge.config.schema import V_SHAPED, PPSchedule, stages_per_rank
 from forge.models.common.attention import DocumentMask
 from forge.models.common.moe import moe_layers
 from forge.models.common.moe.balance import router_losses
@@ -39,14 +47,28 @@ from forge.parallel.init import materialize_sharded
 from forge.parallel.mesh import submesh
 from forge.train.losses import IGNORE_INDEX, loss_context
 
-SCHEDULES = dict(zip(map(str, PPSchedule), (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B), strict=True))
+SCHEDULES = dict(
+    zip(
+        map(str, PPSchedule),
+        (
+            ScheduleGPipe,
+            Schedule1F1B,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble,
+            ScheduleDualPipeV,
+        ),
+        strict=True,
+    )
+)
 
 
 class Stage(PipelineStage):
     """torch's stage, except that a forward-only pass (evaluation) keeps no chunk's output and inputs: torch's stage
     caches them for a backward that never comes, until the next step, so the last stage held every chunk's logits
     (the evaluated batch's tokens x vocab). The last stage drops them after its forward (it sends nothing), the
-    others once their send is built (the send holds the output)."""
+    others once their send is built (the send holds the output). A forward-only pass of a V schedule hands no
+    gradients between a rank's two stages."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
         self.submod.forge_chunk = True  # a chunk of the schedule, not torch's metadata inference: RouterLosses
@@ -57,6 +79,15 @@ class Stage(PipelineStage):
         if self.is_last and not self.has_backward:
             self.fwd_cache.pop(fwd_chunk_id, None)
         return output
+
+    # Under a V schedule the two stages of a rank hand gradients to each other directly, and torch's runtime does
+    # so in a forward-only pass too, where there are none: nothing to hand over then.
+    def get_local_bwd_output(self, mb_index: int):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else None
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         if self.is_last and not self.has_backward:
@@ -158,8 +189,11 @@ class ChunkMasks:
         return args, kwargs
 
 
-def stages_per_rank(schedule: str) -> int:
-    return 2 if schedule == "interleaved_1f1b" else 1
+def rank_stages(schedule: str, pp: int, pp_rank: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` holds, in order: looped (r, r + pp) or, for V_SHAPED, (r, 2 pp - 1 - r)."""
+    if stages_per_rank(schedule) == 1:
+        return [pp_rank]
+    return [pp_rank, 2 * pp - 1 - pp_rank] if schedule in V_SHAPED else [pp_rank, pp_rank + pp]
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[list[str]]:
@@ -208,6 +242,10 @@ class Pipeline:
     """The stages' router losses (MoE), weighted per chunk."""
     masks: ChunkMasks | None = None
     """The stages' attention masks of packed documents or context-parallel positions."""
+    last_rank: int = -1
+    """The pp rank of the last stage (0 under a V schedule, else pp - 1)."""
+    stages: list[Stage] = field(default_factory=list)
+    """torch's stage objects of `parts`."""
     tied_group: dist.ProcessGroup | None = None
     """With tied embeddings, on the ranks of the first and the last stage: the two of them."""
     vocab_split: bool = False
@@ -266,9 +304,13 @@ class Pipeline:
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         """Forward only; the token-summed loss on the last stage, 0 elsewhere. No outputs are asked for (torch's
-        schedule would concatenate the chunks' logits), and the stages keep none (Stage)."""
+        schedule would concatenate the chunks' logits), and the stages keep none (Stage; a V schedule's stage that
+        hands its output to the rank's other stage keeps them to the end of the pass)."""
         self.loss.weight = 1.0
-        return self._run(self.schedule.eval, inputs, labels, mask, return_outputs=False)
+        total = self._run(self.schedule.eval, inputs, labels, mask, return_outputs=False)
+        for stage in self.stages:
+            stage.fwd_cache.clear()
+        return total
 
     @torch.no_grad()
     def sum_tied_grads(self) -> None:
@@ -284,7 +326,7 @@ class Pipeline:
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """The last stage's value of a scalar, on every pp rank."""
         value = value.detach().clone()
-        dist.broadcast(value, group=self.group, group_src=self.size - 1)
+        dist.broadcast(value, group=self.group, group_src=self.last_rank)
         return value
 
 
@@ -307,7 +349,7 @@ def build_pipeline(
     pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
     per_rank = stages_per_rank(parallel_cfg.pp_schedule)
     n_stages = pp * per_rank
-    stage_ids = [pp_rank + k * pp for k in range(per_rank)]
+    stage_ids = rank_stages(parallel_cfg.pp_schedule, pp, pp_rank)
     parts = [build_stage_module(model, s, n_stages) for s in stage_ids]
     applied = []
     for s, part in zip(stage_ids, parts):
@@ -347,6 +389,8 @@ def build_pipeline(
         applied.append(logged(Applied("pp", detail, {"pp": pp})))
     pipeline = Pipeline(parts, schedule, group, has_first, has_last, pp, microbatches, applied, loss, routers, masks)
     pipeline.vocab_split = degrees.tp > 1
+    pipeline.last_rank = 0 if parallel_cfg.pp_schedule in V_SHAPED else pp - 1
+    pipeline.stages = stages
     pipeline.tied_group = tied_group if has_first or has_last else None
     return pipeline
 

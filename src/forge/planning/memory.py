@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from forge.config.degrees import Degrees
+from forge.config.schema import V_SHAPED, ZERO_BUBBLE, stages_per_rank
 from forge.models.spec import spec_of
 
 
@@ -76,12 +77,15 @@ class MemoryEstimate:
 def pipeline_in_flight(pp: int, schedule: str, microbatches: int, pp_rank: int = 0, stages: int = 1) -> float:
     """Fraction of a micro-batch whose activations are alive at once on pipeline rank `pp_rank` (with `stages` per
     rank): all of it without a pipeline or under GPipe; torch's 1F1B runs pp - r forwards on rank r before its first
-    backward, interleaved 1F1B interleaved_warmup's stage-chunks, and then one more (the steady state's forward comes
-    before its backward)."""
+    backward, interleaved 1F1B (and interleaved_zb, which matches 1F1B's peak, as ZB-H1 does) interleaved_warmup's
+    stage-chunks, and then one more (the steady state's forward comes before its backward); a V schedule holds pp
+    chunks of the rank's blocks (ZB-V's peak is 1F1B's first rank's), DualPipeV one more."""
     if pp == 1 or schedule == "gpipe":
         return 1.0
     if stages == 1:
         return min(microbatches, pp - pp_rank) / microbatches
+    if schedule in V_SHAPED:  # a V keeps about pp chunks of the rank's blocks alive on every rank (ZB-V, DualPipeV)
+        return min(microbatches, pp + (schedule == "dualpipev")) / microbatches
     alive = interleaved_warmup(pp, microbatches, pp_rank, stages) + 1
     return min(stages * microbatches, alive) / (stages * microbatches)
 
@@ -91,6 +95,16 @@ def interleaved_warmup(pp: int, microbatches: int, pp_rank: int, stages: int) ->
     microbatches and two per hop from the last rank, at most every stage-chunk (ScheduleInterleaved1F1B)."""
     per_round = microbatches // max(1, microbatches // pp)
     return min((stages - 1) * per_round + 2 * (pp - 1 - pp_rank), stages * microbatches)
+
+
+def bubble_fraction(pp: int, schedule: str, microbatches: int) -> float:
+    """The pipeline bubble as a fraction of a rank's busy time: (pp - 1) / microbatches, divided by the stages per
+    rank; the zero-bubble schedules fill two thirds of it with weight gradients (ZB-H1's (pp - 1)(F + B - 2W)
+    against 1F1B's (pp - 1)(F + B + W), taking the forward, input-gradient and weight-gradient passes equal)."""
+    if pp == 1:
+        return 0.0
+    fraction = (pp - 1) / microbatches / stages_per_rank(schedule)
+    return fraction / 3 if schedule in ZERO_BUBBLE else fraction
 
 
 def head_in_flight(pp: int, schedule: str, microbatches: int) -> float | None:
@@ -195,6 +209,8 @@ def grads_at_peak(
     if pp == 1 or pp_schedule == "gpipe":
         return False
     forwards = stages * chunks
+    if pp_schedule in V_SHAPED:  # each rank runs about pp forwards before its first backward
+        return forwards > pp
     warmup = pp - pp_rank if stages == 1 else interleaved_warmup(pp, chunks, pp_rank, stages)
     return forwards > warmup
 

@@ -63,7 +63,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
     and initialised as a real run would, and a line says their bytes, the seconds and the host memory it took."""
     from forge.models.common.moe import moe_layers
     from forge.parallel.mesh import build_mesh, mesh_shape
-    from forge.parallel.pipeline import build_stage_module, first_and_last_group, stages_per_rank
+    from forge.parallel.pipeline import build_stage_module, first_and_last_group, rank_stages, stages_per_rank
     from forge.parallel.plan import count_local_parameters, parallelize
     from forge.planning.flops import count_flops_per_token
     from forge.train import build
@@ -87,10 +87,9 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         parts = [model]
         if degrees.pp > 1:
             n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
-            parts = [build_stage_module(model, s, n_stages) for s in range(0, n_stages, degrees.pp)]
-            lines.append(
-                f"pipeline split into {n_stages} stages; rank 0 holds stages {list(range(0, n_stages, degrees.pp))}"
-            )
+            held = rank_stages(parallel.pp_schedule, degrees.pp, 0)
+            parts = [build_stage_module(model, s, n_stages) for s in held]
+            lines.append(f"pipeline split into {n_stages} stages; rank 0 holds stages {held}")
         for part in parts:
             compute = "bf16" if train.dtype in ("auto", "bf16") else "fp32"  # auto is bf16 on GPUs
             applied += parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute)

@@ -31,7 +31,8 @@ head, on the last stage) from forge.planning.flops:
     pp p2p     = T / dp x dim activations sent per stage boundary and direction (forward from all but the last
                  stage, gradients back from all but the first); with tied embeddings the first and last stage
                  also all-reduce the embedding's gradient shard (4 V dim / tp / dp_shard bytes)
-    bubble     = (compute + recompute) x (pp - 1) / microbatches (/ 2 for interleaved 1F1B's two stages per rank);
+    bubble     = (compute + recompute) x (pp - 1) / microbatches (/ 2 for two stages per rank; / 3 more for the
+                 zero-bubble schedules: forge.planning.memory.bubble_fraction);
                  none on a CPU host whose ranks share its cores (Device.shares_cores: the waiting rank's cores
                  serve the busy ones)
     latency    = every collective's launch (10 us inside a node, 30 us across; a calibrated profile's measured latency)
@@ -45,9 +46,9 @@ from dataclasses import dataclass
 
 from forge.config.degrees import Degrees
 from forge.models.spec import spec_of
-from forge.parallel.pipeline import stage_layers, stages_per_rank
+from forge.parallel.pipeline import rank_stages, stage_layers, stages_per_rank
 from forge.planning.flops import count_flops_per_token
-from forge.planning.memory import estimate_memory, grads_at_peak, head_in_flight, pipeline_in_flight
+from forge.planning.memory import bubble_fraction, estimate_memory, grads_at_peak, head_in_flight, pipeline_in_flight
 from forge.planning.search.devices import Device
 from forge.planning.search.settings import SearchSettings
 
@@ -210,7 +211,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
     head_alive = head_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
     worst: tuple[float, dict, float, dict] | None = None
     for pp_rank in range(layout.pp):
-        mine = [s for s in range(n_stages) if s % layout.pp == pp_rank]
+        mine = rank_stages(layout.pp_schedule, layout.pp, pp_rank) if layout.pp > 1 else [0]
         blocks = [int(b) for s in mine for b in stages[s]]
         first, last = 0 in mine, n_stages - 1 in mine
         params = sum(shape.block_params[b] for b in blocks)
@@ -310,7 +311,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             t["pp_p2p"] = seconds
             latency += lat
             if not device.shares_cores:  # else a waiting rank's cores serve the busy ones
-                t["bubble"] = busy * (layout.pp - 1) / layout.microbatches / stages_per_rank(layout.pp_schedule)
+                t["bubble"] = busy * bubble_fraction(layout.pp, layout.pp_schedule, layout.microbatches)
         t["latency"] = latency
         total = sum(t.values())
         if worst is None or total > worst[2]:
