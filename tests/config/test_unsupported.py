@@ -14,7 +14,6 @@ from tests.conftest import ROOT, forge_cmd, one_line
 
 CASES = {  # name -> (overrides, world size)
     "tp+moe+compile": (["parallel=tp2", "model=moe_tiny", "parallel.compile=true"], 2),
-    "fp8+tp": (["parallel=tp2", "parallel.fp8=true"], 2),
 }
 
 
@@ -43,8 +42,8 @@ def test_the_plan_refuses(name):
 
 def test_plan_refuses_with_one_line(tmp_path):
     """The command line of one case (a process each; the plan's refusal of all is checked above, and torchrun's
-    of fp8+tp below)."""
-    overrides, world = CASES["fp8+tp"]
+    of tp+moe+compile below)."""
+    overrides, world = CASES["tp+moe+compile"]
     cmd = forge_cmd("--plan", *overrides, f"parallel.world_size={world}", f"hydra.run.dir={tmp_path}")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "is not supported" in one_line(proc)
@@ -53,10 +52,10 @@ def test_plan_refuses_with_one_line(tmp_path):
 @pytest.mark.dist
 def test_torchrun_refuses_before_a_process_group(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "forge.train",
-           *CASES["fp8+tp"][0], f"hydra.run.dir={tmp_path}"]  # fmt: skip
+           *CASES["tp+moe+compile"][0], f"hydra.run.dir={tmp_path}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     refusals = [line for line in proc.stderr.splitlines() if "invalid config" in line]
     # the first rank to refuse ends the job; torchrun may stop the other before it prints its own refusal
-    assert 1 <= len(refusals) <= 2 and "parallel.fp8=true" in refusals[0], proc.stderr[-3000:]
+    assert 1 <= len(refusals) <= 2 and "parallel.compile=true" in refusals[0], proc.stderr[-3000:]
     assert "forge/" not in proc.stderr.replace("-m forge.train", "")  # no frame of ours (torchrun reports its own)

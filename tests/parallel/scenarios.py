@@ -55,12 +55,15 @@ def layout(trainer: Trainer) -> dict:
     """What the plan did to the model, so a test can tell a parallel run from an accidental single one."""
     block = trainer.model.layers["0"]
     attention = getattr(block, "attention", None)  # wrappers forward attribute access
+    linear = None
     if attention is not None:
-        wq = (attention.wq if hasattr(attention, "wq") else attention.wq_b).weight  # latent: its up-projection
+        linear = attention.wq if hasattr(attention, "wq") else attention.wq_b  # latent: its up-projection
+        wq = linear.weight
     else:  # another family's block: its first matrix
         wq = next(p for p in block.parameters() if p.ndim >= 2)
     return {
         "wq_placements": [str(p) for p in getattr(wq, "placements", ())],
+        "wq_type": type(linear).__name__,
         "local_params": count_local_parameters(trainer.model),
         "params": trainer.n_params,
         "block_type": type(trainer.model.layers["0"]).__name__,

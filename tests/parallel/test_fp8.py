@@ -1,5 +1,6 @@
 """Float8 training (torchao) on CPU: the blocks' linears become Float8Linear, the head stays high precision, the
-loss stays close to bf16, and FSDP with float8 all-gather over 2 ranks matches the one-process fp8 run."""
+loss stays close to bf16, and FSDP with float8 all-gather and tensor parallelism with float8 styles, each over 2
+ranks, match the one-process fp8 run."""
 
 import pytest
 
@@ -47,6 +48,15 @@ def test_fsdp_with_float8_all_gather_matches_one_process(single, tmp_path):
     run = launch(run_scenarios, 2, {"fp8_fsdp": [*FP8, "parallel=fsdp", "train.micro_batch_size=4"]}, str(tmp_path))
     got = run[0]["fp8_fsdp"]
     assert got["wq_placements"] == ["S(0)"]
+    assert got["loss"] == pytest.approx(single["fp8"]["loss"], rel=FSDP_RTOL)
+
+
+def test_tensor_parallel_float8_matches_one_process(single, tmp_path):
+    """fp8 under tp2: the blocks' linears are float8 and split with torchao's float8 styles (on gloo gathered in
+    bf16, then cast with the whole tensors' scales), the losses those of one fp8 process."""
+    run = launch(run_scenarios, 2, {"fp8_tp2": [*FP8, "parallel=tp2", "train.micro_batch_size=8"]}, str(tmp_path))
+    got = run[0]["fp8_tp2"]
+    assert got["wq_type"] == "Float8Linear" and got["wq_placements"] == ["S(0)"]
     assert got["loss"] == pytest.approx(single["fp8"]["loss"], rel=FSDP_RTOL)
 
 

@@ -209,8 +209,6 @@ UNSUPPORTED = (
     # (name, applies to (cfg, degrees), why and what to use instead); docs/status.md lists every name
     ("tp+moe+compile", lambda c, d: d.tp > 1 and c.model.get("moe") is not None and c.parallel.compile,
      "torch.compile fails on the tensor-parallel MoE layer's DTensor hooks in torch 2.13; use parallel.compile=false"),
-    ("fp8+tp", lambda c, d: c.parallel.fp8 and d.tp > 1,
-     "float8 needs float8 tensor-parallel styles, which are not implemented; use parallel.tp=1 with fp8"),
 )  # fmt: skip
 """Combinations that fail later (in the plan or the first step) if not refused here."""
 

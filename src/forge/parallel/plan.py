@@ -1,7 +1,8 @@
 """The parallel plan: one function applies every transform to the meta-device model, in this order.
 
 tensor parallel -> context parallel (and the MoE counts over it) -> expert parallel -> global-batch router loads ->
-float8 -> activation checkpointing -> compile (per block, or on one process the whole forward) -> FSDP2. It returns
+float8 (under tensor parallelism before it, so that the family's TP plan splits float8 linears with torchao's float8
+styles) -> activation checkpointing -> compile (per block, or on one process the whole forward) -> FSDP2. It returns
 what it applied, one record (forge.parallel.applied) per transform.
 
 TP must come first because FSDP shards the DTensors TP produced (2-D parameters); checkpointing and compile
@@ -54,6 +55,9 @@ def parallelize(
     model first and calls this on each stage.
     """
     applied: list[Applied | None] = []
+    float8_first = parallel_cfg.fp8 and degrees.tp > 1  # the family's TP plan then splits them with float8 styles
+    if float8_first:
+        applied.append(apply_float8(model, degrees))
     if degrees.tp > 1:
         applied.append(spec_of(model).tensor_parallel(model, mesh["tp"]))  # the family's own plan
     if degrees.cp > 1:
@@ -62,7 +66,7 @@ def parallelize(
     if degrees.ep > 1:
         applied.append(apply_expert_parallel(model, mesh, degrees))
     applied.append(apply_global_router_loads(model, mesh))
-    if parallel_cfg.fp8:
+    if parallel_cfg.fp8 and not float8_first:
         applied.append(apply_float8(model, degrees))
     if parallel_cfg.activation_checkpoint != "none":
         applied.append(apply_activation_checkpointing(model, parallel_cfg.activation_checkpoint))
@@ -112,8 +116,6 @@ def apply_sequence_router_counts(model: nn.Module, cp_mesh: DeviceMesh) -> Appli
 
 def apply_float8(model: nn.Module, degrees: Degrees) -> Applied:
     """Swap the blocks' nn.Linear layers for torchao's Float8Linear (the output head stays in high precision)."""
-    if degrees.tp > 1:
-        raise NotImplementedError("parallel.fp8=true with parallel.tp > 1 needs float8 TP styles (not implemented)")
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:

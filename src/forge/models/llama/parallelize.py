@@ -5,7 +5,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -18,6 +17,7 @@ from forge.models.llama.latent_attention import LatentAttention
 from forge.models.llama.latent_tensor import apply_latent_tensor_parallel
 from forge.models.llama.transformer import Transformer
 from forge.parallel.applied import Applied, logged
+from forge.parallel.float8_styles import tensor_parallel_styles
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
@@ -44,15 +44,17 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
         latent = isinstance(block.attention, LatentAttention)
         plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
         if not latent:
+            attention = block.attention
+            colwise, rowwise, prepare = tensor_parallel_styles(tp_mesh, attention.wq, attention.wk, attention.wv)
             plan |= {
                 # (x, cos, sin, attn_mask): only x is an activation to gather.
-                "attention": PrepareModuleInput(
+                "attention": prepare(
                     input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
                 ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                "attention.wq": colwise(),
+                "attention.wk": colwise(),
+                "attention.wv": colwise(),
+                "attention.wo": rowwise(output_layouts=Shard(1), use_local_output=False),
             }
         if model.args.qk_norm:
             # q and k are (batch, seq, local heads, head_dim): each rank norms its own heads over head_dim with the
@@ -62,11 +64,12 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
                 for norm in ("q_norm", "k_norm")
             }
         if isinstance(block.feed_forward, FeedForward):
+            colwise, rowwise, prepare = tensor_parallel_styles(tp_mesh, block.feed_forward.w1, block.feed_forward.w3)
             plan |= {
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": colwise(),
+                "feed_forward.w3": colwise(),
+                "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
             }
         parallelize_module(block, tp_mesh, plan)
         if latent:
