@@ -81,6 +81,8 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Applied:
     moe_blocks = sum(isinstance(block.feed_forward, MoE) for block in model.layers.values())
     if moe_blocks:
         detail += f"; {moe_blocks} MoE layers: experts' hidden widths split, router replicated"
+    if any(type(module).__name__ == "Float8Linear" for module in model.modules()):
+        detail += "; float8 linears split with torchao's float8 styles"
     if model.args.attention_kind == "mla":
         detail += "; latent attention: heads split, low-rank down-projections replicated"
     return logged(Applied("tp", detail, {"tp": tp_mesh.size()}))
