@@ -138,7 +138,6 @@ def test_a_part_of_the_sequence_gets_its_rows_of_the_whole_mask():
 
 REFUSED = {  # overrides on 4 ranks -> what the one line names
     "seq": (["parallel=cp2", "train.seq_len=30"], "train.seq_len=30 is not divisible by 2 x parallel.cp=2"),
-    "pp": (["parallel=cp2", "parallel.pp=2", "parallel.dp_replicate=1"], "parallel.cp=2 with parallel.pp=2"),
     "ep": (["parallel=cp2_fsdp", "model=moe_tiny", "parallel.ep=2"], "parallel.cp=2 with parallel.ep=2"),
     "compile": (["parallel=cp2", "parallel.compile=true"], "parallel.cp=2 with parallel.compile=true"),
     "capacity": (

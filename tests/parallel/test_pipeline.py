@@ -151,10 +151,15 @@ def test_tensor_parallel_stages_match_one_process(tmp_path, reference):
 
 
 def test_tp2_pp2_fsdp_matches_one_process(tmp_path, reference):
-    """The shipped 3-D preset on 8 ranks: tp 2 x pp 2 x FSDP 2, each rank holding an eighth of the weights."""
-    scenario = {"tp2_pp2_fsdp": ["parallel=tp2_pp2_fsdp", "train.micro_batch_size=4", "parallel.microbatches=2"]}
+    """The shipped 3-D preset on 8 ranks: tp 2 x pp 2 x FSDP 2, each rank holding an eighth of the weights; and
+    tp 2 x pp 2 x 2 replicas (FSDP2 on a replicate-only mesh: the data-parallel half of HSDP)."""
+    scenario = {
+        "tp2_pp2_fsdp": ["parallel=tp2_pp2_fsdp", "train.micro_batch_size=4", "parallel.microbatches=2"],
+        "tp2_pp2_ddp": [*TP2_PP2[:3], "parallel.dp_replicate=2", "train.micro_batch_size=4", "parallel.microbatches=2"],
+    }
     runs = launch(run_pipeline_scenarios, 8, scenario, str(tmp_path))
     assert_same_curves(runs[0]["tp2_pp2_fsdp"], reference["single"])
+    assert_same_curves(runs[0]["tp2_pp2_ddp"], reference["single"])
     norms = (2 * 2 + 1) * 64  # two per block and the final one, replicated over the tp ranks
     assert sum(r["tp2_pp2_fsdp"]["local_params"] for r in runs) == runs[0]["tp2_pp2_fsdp"]["params"] + norms
 
