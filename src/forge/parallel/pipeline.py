@@ -1,13 +1,18 @@
-"""Pipeline parallelism of the dense decoder through torch.distributed.pipelining.
+"""Pipeline parallelism of the decoder (dense or MoE) through torch.distributed.pipelining.
 
 The meta-device model is cut into stages of consecutive blocks. Each stage is a copy of the model with the blocks
 it does not own deleted and the embedding (all but the first stage), final norm and head (all but the last) set to
-None; parameter names therefore stay those of the whole model. Every pp rank holds one stage, or two for
-interleaved 1F1B (stages rank and rank + pp, "looped" placement). The rest of the plan (activation checkpointing,
-compile, FSDP over dp_shard) then applies to each stage module as it would to a whole model.
+None; parameter names therefore stay those of the whole model. Every pp rank holds one stage, or two (interleaved
+1F1B and interleaved_zb: stages rank and rank + pp, "looped"; zbv and dualpipev: rank and 2 pp - 1 - rank, a V).
+The rest of the plan (tensor and context parallelism, activation checkpointing, compile, FSDP over dp_shard) then
+applies to each stage module as it would to a whole model; under tp the stages pass the sequence-split residual
+stream as DTensors and the schedule runs under `loss_parallel` (the logits are split over the vocabulary).
 
 Every pp rank reads the same batch: the first stage feeds the tokens, the last computes the loss against the
-labels. The schedules split the batch into `parallel.microbatches` chunks and average the chunks' gradients.
+labels, every stage builds its chunk's attention mask from the batch's document ids (and context-parallel
+positions: ChunkMasks). The schedules split the batch into `parallel.microbatches` chunks; a chunk's loss is its
+token sum weighted by the step's count (ChunkLoss), and a stage's MoE router losses join its chunk's output
+(RouterLosses), so the gradients are one process's.
 
 Tied embeddings (model.tie_embeddings, as Llama 3.2 1B): the first and the last stage each hold the embedding matrix,
 under its one name `tok_embeddings.weight` (the last stage uses it only as its head). Both start from the same
