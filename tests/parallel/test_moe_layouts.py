@@ -62,7 +62,12 @@ FOUR_RANKS = {
         ["parallel=tp2_fsdp", "train.micro_batch_size=4"],
         8,
     ),
+    # ep over the dp_shard ranks of one tp index: each expert's width split over tp, the experts over ep
+    "tp2_ep2": ([], ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 4),
+    "tp2_ep2_sigmoid_shared_global": (SIGMOID, ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 8),
 }
+EIGHT_RANKS = {"tp2_ep2_fsdp2": ([], ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=2"], 2)}
+"""The experts' weights FSDP-sharded too (over dp_shard / ep = 2): 2-D (ep, tp) DTensors under FSDP2."""
 
 
 def references(cases: dict) -> dict[str, list[str]]:
@@ -81,7 +86,8 @@ def base(model: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference_curves(tmp_path_factory):
-    return launch(run_scenarios, 1, references(TWO_RANKS | FOUR_RANKS), str(tmp_path_factory.mktemp("single")))[0]
+    cases = TWO_RANKS | FOUR_RANKS | EIGHT_RANKS
+    return launch(run_scenarios, 1, references(cases), str(tmp_path_factory.mktemp("single")))[0]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +119,12 @@ def test_four_rank_moe_layouts_match_one_process(name, four_rank_curves, referen
     assert run["wq_placements"] in (["S(0)"], ["_S(0, 2)", "S(0)"])
     assert run["local_params"] < 0.6 * run["params"]  # the experts are split, not copied
     assert_same_curves(run, reference_curves[f"ref_{name}"])
+
+
+def test_tensor_and_expert_parallel_experts_under_fsdp_match_one_process(reference_curves, tmp_path):
+    runs = launch(run_scenarios, 8, layouts(EIGHT_RANKS), str(tmp_path))[0]
+    assert runs["tp2_ep2_fsdp2"]["local_params"] < 0.3 * runs["tp2_ep2_fsdp2"]["params"]
+    assert_same_curves(runs["tp2_ep2_fsdp2"], reference_curves["ref_tp2_ep2_fsdp2"])
 
 
 def losses(run_dir) -> list[float]:

@@ -252,11 +252,6 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
             f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={degrees.ep}",
         )
         require(
-            degrees.tp == 1,
-            f"parallel.ep={degrees.ep} with parallel.tp={degrees.tp} is not supported (experts are not "
-            "tensor-parallel; use parallel.tp=1)",
-        )
-        require(
             parallel.activation_checkpoint != "selective",
             f"parallel.ep={degrees.ep} with parallel.activation_checkpoint=selective is not supported (the experts' "
             "own FSDP hooks replay differently when the block is recomputed; use full or none)",

@@ -80,12 +80,16 @@ def local_part(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def shard_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
+def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> int:
     """Make every MoE layer's w1/w2/w3 a DTensor sharded on the expert dimension over the 1-D `ep_mesh` and
     install the all-to-all dispatch; returns the number of MoE layers.
 
     Rank r of the mesh keeps experts [r * E / ep, (r + 1) * E / ep). On the meta device only shapes change; the
     values come later from the plan's initialisation (`forge.parallel.init`), which splits the whole model's.
+    Experts whose hidden widths tensor parallelism split already (DTensors over tp) become DTensors over the 2-D
+    `ep_tp_mesh` (ep, tp): this rank's experts, its part of each width. The all-to-all then runs between the ranks
+    of one tp index, each sending its tp group's (identical) tokens, and the partial outputs come back to be summed
+    over tp as without ep.
     """
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     layers = moe_layers(model)
@@ -95,10 +99,16 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
             raise ValueError(f"model.moe.num_experts={num_experts} is not divisible by the ep degree {size}")
         local = num_experts // size
         for name in ("w1", "w2", "w3"):
-            full = getattr(experts, name).detach()
-            part = full[rank * local : (rank + 1) * local].clone()
+            weight = getattr(experts, name).detach()
+            mesh, placements = ep_mesh, [Shard(0)]
+            if isinstance(weight, DTensor):  # split over tp: (ep, tp) placements
+                if ep_tp_mesh is None:
+                    raise ValueError("tensor-parallel experts need the (ep, tp) mesh to be split over ep")
+                mesh, placements = ep_tp_mesh, [Shard(0), *weight.placements]
+            held = weight.to_local() if isinstance(weight, DTensor) else weight
+            part = held[rank * local : (rank + 1) * local].clone()
             sharded = DTensor.from_local(
-                part, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+                part, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride()
             )
             setattr(experts, name, nn.Parameter(sharded))
         experts.first, experts.num_local = rank * local, local

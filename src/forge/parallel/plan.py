@@ -81,8 +81,9 @@ def parallelize(
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, degrees: Degrees) -> Applied:
     """Split every MoE layer's experts over the `ep` mesh dimension (borrowed from dp_shard, as in torchtitan),
-    tokens moving to their experts and back by all-to-all. Router, attention and shared experts stay dense."""
-    layers = shard_experts(model, mesh["ep"])
+    tokens moving to their experts and back by all-to-all. Router, attention and shared experts stay dense (under
+    tp, split as without ep; the routed experts' widths stay split over tp too)."""
+    layers = shard_experts(model, mesh["ep"], mesh["ep", "tp"] if degrees.tp > 1 else None)
     if not layers:
         raise ValueError(f"parallel.ep={degrees.ep} but the model has no MoE layer")
     num_experts = moe_layers(model)[0][1].args.num_experts
