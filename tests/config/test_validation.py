@@ -70,7 +70,6 @@ CASES = [
         4,
         ["parallel.ep=4 must divide parallel.dp_shard=2", "data-parallel world size 4"],
     ),
-    (["parallel=ep2_fsdp", "parallel.tp=2", "model=moe", "train.micro_batch_size=4"], 4, ["parallel.tp=2 is not"]),
     (["parallel=ep2_fsdp", "model=llama_tiny", "train.micro_batch_size=4"], 2, ["the model is dense"]),
     (
         ["parallel=ep2_fsdp", "model=moe", "parallel.activation_checkpoint=selective", "train.micro_batch_size=4"],
