@@ -50,10 +50,11 @@ def train_under_the_profiler(overrides: list[str], root: str) -> int:
 def test_predicted_peak_memory_is_within_15_percent_of_the_ranks_measured_peak(name):
     layout = LAYOUTS[name]
     overrides = [*EXTRA.get(name, [])[:1], *MODEL, *EXTRA.get(name, [])[1:], *layout.overrides()]
-    # the highest of two runs: when FSDP's prefetched block meets the peak depends on the ranks' timing (the
-    # measured peak moves by up to 7 % between runs)
+    # with data parallelism the highest of two runs: when FSDP's prefetched block meets the peak depends on the
+    # ranks' timing (the measured peak moves by up to 7 % between runs)
     world = layout.dp * layout.tp * layout.pp * layout.cp
-    measured = max(max(launch(train_under_the_profiler, world, overrides, temp_root())) for _ in range(2))
+    runs = 2 if layout.dp > 1 else 1
+    measured = max(max(launch(train_under_the_profiler, world, overrides, temp_root())) for _ in range(runs))
     cfg = compose([*overrides, f"parallel.world_size={world}"])
     shape = ModelShape.of(build.build_meta_model(cfg))
     predicted = predict(layout, shape, cfg.train, DEVICES["h100"], SearchSettings(), "fp32").memory
