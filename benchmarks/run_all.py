@@ -9,6 +9,7 @@ BENCHMARKS = [
     ["train/vs_transformers.py"],
     ["train/mfu.py"],
     ["train/startup.py"],
+    ["train/exit_cost.py"],
     ["train/chunked_ce.py"],
     ["train/rowwise_ce.py"],
     ["train/weight_casts.py"],
@@ -16,6 +17,7 @@ BENCHMARKS = [
     ["checkpoint/save_stall.py"],
     ["moe/moe_vs_dense.py"],
     ["attention/flex_vs_dense.py"],
+    ["attention/cpu_bf16_sdpa.py"],
     ["vlm/strategies.py"],
     ["vlm/generate_cache.py"],
 ]

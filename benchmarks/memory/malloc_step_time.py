@@ -2,7 +2,7 @@
 
     python benchmarks/memory/malloc_step_time.py [--model llama_125m] [--steps 6] [--rounds 2] [--dtype fp32]
 
-forge's default (forge.train.host_malloc): one process keeps its heap (nothing mmapped, nothing trimmed), several
+forge's default (forge.runtime.host_memory): one process keeps its heap (nothing mmapped, nothing trimmed), several
 ranks return freed tensors of 16 MiB or more to the OS (benchmarks/memory/host_peak.py: what that saves), and
 torch asks for transparent huge pages for tensors of 2 MiB or more. The other settings: a fixed 16 MiB threshold
 with and without huge pages (the latter is forge before the twenty-second session), and glibc's adaptive

@@ -48,8 +48,8 @@ from benchmarks.train.mfu import parse_shape, peak_flops, shape_args  # noqa: E4
 from forge.models.llama import TransformerArgs, build_transformer  # noqa: E402
 from forge.parallel.plan import apply_compile  # noqa: E402
 from forge.planning.flops import count_flops_per_token  # noqa: E402
+from forge.runtime.host_memory import ask_huge_pages, keep_heap  # noqa: E402
 from forge.train.compute_weights import ComputeWeights, scope  # noqa: E402
-from forge.train.host_malloc import ask_huge_pages, keep_heap  # noqa: E402
 from forge.train.losses import compiled_cross_entropy, cross_entropy  # noqa: E402
 from forge.train.precision import autocast, resolve_dtype  # noqa: E402
 
@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--peak-seconds", type=float, default=0.5, help="length of each peak-measuring burst")
     parser.add_argument("--host-memory", choices=("glibc", "forge"), default="glibc",
                         help="forge: every contender runs under forge-train's one-process host memory (heap kept, "
-                        "huge pages; forge.train.host_malloc)")  # fmt: skip
+                        "huge pages; forge.runtime.host_memory)")  # fmt: skip
     opts = parser.parse_args()
     if opts.host_memory == "forge":  # before any tensor: torch reads its huge-page switch at the first allocation
         print(f"host memory: heap kept {keep_heap()}, huge pages {ask_huge_pages()}")

@@ -5,7 +5,6 @@ import sys
 
 from forge.checkpoint.convert import FORMATS, convert
 from forge.checkpoint.errors import CheckpointError
-from forge.quick_exit import command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,9 +27,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-cli = command(main)
-"""The forge-convert command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
-
-
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())

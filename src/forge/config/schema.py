@@ -17,7 +17,7 @@ from forge.domain import Domain, domain
 from forge.models.llama.args import TransformerArgs
 from forge.planning.search.settings import SearchSettings
 from forge.resilience.signals import CATCHABLE_SIGNALS
-from forge.train.host_malloc import MAX_THRESHOLD_MIB
+from forge.runtime.host_memory import MAX_THRESHOLD_MIB
 from forge.train.loss_options import ChunkedCrossEntropyOptions, CrossEntropyOptions
 
 
@@ -170,7 +170,7 @@ class OptimizerConfig:
     """Decoupled weight decay of matrices; embeddings, norms and biases get none."""
     fused: Optional[bool] = True
     """One fused kernel per step for all parameters (CPU, CUDA, FSDP's DTensor shards). false or None: torch's
-    choice, foreach on CUDA and a loop over tensors on CPU (5x slower there, benchmarks/train/vs_transformers.py)."""
+    choice, foreach on CUDA and a loop over tensors on CPU (slower there: benchmarks/train/vs_transformers.py)."""
 
 
 @dataclass
@@ -337,7 +337,7 @@ class TrainConfig:
     cpu_mmap_threshold_mib: Optional[int] = domain(
         None, ge=0, le=MAX_THRESHOLD_MIB, means="0: glibc's adaptive threshold"
     )
-    """On the CPU device with glibc, where freed tensors go (forge.train.host_malloc). null: one process keeps them
+    """On the CPU device with glibc, where freed tensors go (forge.runtime.host_memory). null: one process keeps them
     all in its heap for the next step (large tensors mmapped afresh pay a page fault per 4 KiB at every step); on
     several ranks, tensors of at least 16 MiB are mmapped and go back to the OS when freed (FSDP's gathered blocks
     otherwise grow each rank's resident memory by what it freed). A number fixes that threshold (at most 32); 0
@@ -345,7 +345,7 @@ class TrainConfig:
     MALLOC_TOP_PAD_ or glibc.malloc tunables win."""
     cpu_huge_pages: bool = True
     """On the CPU device, have torch ask the kernel for transparent huge pages for tensors of 2 MiB or more
-    (THP_MEM_ALLOC_ENABLE; forge.train.host_malloc): a fresh large tensor then faults once per 2 MiB, not per 4 KiB.
+    (THP_MEM_ALLOC_ENABLE; forge.runtime.host_memory): a fresh large tensor then faults once per 2 MiB, not per 4 KiB.
     It takes effect only in a process that has not allocated a CPU tensor yet (the forge-train command), and not
     where the kernel's transparent_hugepage is `never`; the environment's THP_MEM_ALLOC_ENABLE wins."""
 

@@ -10,7 +10,6 @@ from omegaconf.errors import MissingMandatoryValue
 from forge.config import ConfigError, conf_dir, register_schemas
 from forge.config.domains import validate_domains
 from forge.data.sources import DataError
-from forge.quick_exit import command
 
 log = logging.getLogger("forge")
 
@@ -48,9 +47,5 @@ def main() -> None:
     hydra.main(config_path=str(conf_dir()), config_name="prepare", version_base="1.3")(_task)()
 
 
-cli = command(main)
-"""The forge-prepare-data command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
-
-
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())

@@ -18,7 +18,6 @@ from omegaconf.errors import OmegaConfBaseException
 from forge.checkpoint.errors import CheckpointError
 from forge.generate.engine import generate
 from forge.generate.load import load, tokenizer_of
-from forge.quick_exit import command
 from forge.train.build import resolve_device
 
 
@@ -206,9 +205,5 @@ def generate_about_media(cfg, device) -> int:
     return 0
 
 
-cli = command(main)
-"""The forge-generate command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
-
-
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())

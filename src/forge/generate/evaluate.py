@@ -24,7 +24,6 @@ from forge.data.loader import TokenWindows, eval_batches
 from forge.generate.activations import capture_activations, save_activations
 from forge.generate.cli import parse
 from forge.generate.load import build_corpus, load
-from forge.quick_exit import command
 from forge.train.build import resolve_device
 from forge.train.precision import resolve_dtype
 from forge.train.steps.text import evaluate
@@ -131,9 +130,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-cli = command(main)
-"""The forge-eval command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
-
-
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())

@@ -11,7 +11,7 @@ From the shell, options as `key=value` pairs (see LmEvalConfig):
     python -m forge.generate.lm_eval_adapter checkpoint=outputs/run 'tasks=[forge_shakespeare_ppl]' limit=50
     python -m forge.generate.lm_eval_adapter checkpoint=outputs/run 'tasks=[hellaswag]'  # lm-eval's own (hub) tasks
 The local tasks (forge/generate/lm_eval_tasks.py) are written to a temporary folder and searched with include_path;
-lm-eval's ~15k built-in tasks are indexed (about 30 s) only when a task is not found locally.
+lm-eval's ~15k built-in tasks are indexed (slow) only when a task is not found locally.
 """
 
 import json

@@ -1,3 +1,3 @@
-from forge.train.main import cli
+from forge.runtime.commands import forge_train
 
-cli()
+forge_train()

@@ -17,7 +17,6 @@ from forge.config.help import field_help
 from forge.config.validate import null_group_refusal
 from forge.data.sources import DataError
 from forge.planning.flags import has_plan_flags
-from forge.quick_exit import command
 
 log = logging.getLogger("forge")
 
@@ -41,14 +40,15 @@ def build_trainer(cfg: DictConfig, degrees):
 
 
 def prepare_host(cfg: DictConfig) -> None:
-    """Where a CPU run's tensors live (forge.train.host_malloc): a process-wide choice, made by the command."""
+    """Where a CPU run's tensors live (forge.runtime.host_memory): a process-wide choice, made by the command."""
     from forge.parallel.env import read_dist_env
+    from forge.runtime.host_memory import prepare_cpu_process
     from forge.train.build import resolve_device
-    from forge.train.host_malloc import prepare_cpu_process
 
     if resolve_device(cfg.train.device).type == "cpu":
         dist_env = read_dist_env()
-        line = prepare_cpu_process(cfg.train, dist_env.world_size)
+        train = cfg.train
+        line = prepare_cpu_process(train.cpu_huge_pages, train.cpu_mmap_threshold_mib, dist_env.world_size)
         if dist_env.rank == 0:
             log.info("%s", line)
 
@@ -186,9 +186,5 @@ def main() -> None:
         sys.exit(EXIT_CONFIG_ERROR)
 
 
-cli = command(main)
-"""The forge-train command: main, then an exit without the interpreter's teardown (forge.quick_exit)."""
-
-
 if __name__ == "__main__":
-    cli()
+    main()

@@ -26,7 +26,8 @@ from forge.resilience.guard import RollbackRequested, StepGuard
 from forge.resilience.hard_exit import on_hard_exit
 from forge.resilience.health import check_device
 from forge.resilience.preemption import EXIT_INTERRUPTED, PreemptionHandler
-from forge.train import build, host_malloc
+from forge.runtime import host_memory
+from forge.train import build
 from forge.train.compute_weights import ComputeWeights, compute_weights
 from forge.train.freeze import Unfrozen
 from forge.train.losses import cross_entropy
@@ -74,10 +75,10 @@ class Trainer:
             torch.set_num_threads(train.threads)
         torch.manual_seed(train.seed)
         self.device = build.resolve_device(train.device)
-        if self.device.type == "cpu" and not host_malloc.PREPARED and self.degrees.world_size > 1:
+        if self.device.type == "cpu" and not host_memory.PREPARED and self.degrees.world_size > 1:
             # built in-process (benchmarks, tests): still bound FSDP ranks' resident memory; keeping one process's
             # heap and huge pages stay the command's process-wide choices
-            host_malloc.configure_host_malloc(train.cpu_mmap_threshold_mib, self.degrees.world_size)
+            host_memory.configure_host_malloc(train.cpu_mmap_threshold_mib, self.degrees.world_size)
         self.dtype = resolve_dtype(train.dtype, self.device)
         check_device(self.device)
         self.owns_process_group = dist.init_distributed(self.device, timeout_s=cfg.resilience.collective_timeout_s)

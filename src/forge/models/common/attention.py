@@ -183,11 +183,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> tor
     return _sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-# On a CPU, torch's bf16 flash kernel is slower than its fp32 one on small attention. Forward and backward, ms, on
-# a 2-core EPYC with avx512_bf16 (batch, heads, kv heads, keys, head dim): (8, 8, 4, 256, 32) bf16 34 / fp32 22;
-# (8, 16, 8, 256, 16) 56 / 29; (8, 4, 4, 256, 64) 23 / 20; (2, 8, 4, 1024, 32) 50 / 58; (4, 16, 16, 512, 64) 147 /
-# 144. So at most this many keys x head dim, bf16 attention on a CPU computes in fp32 (no less precise; its backward
-# keeps fp32 queries, keys, values and output, twice the bf16 bytes, which --plan's accelerator estimate leaves out).
+# On a CPU, torch's bf16 flash kernel is slower than its fp32 one on small attention (benchmarks/attention/
+# cpu_bf16_sdpa.py). So at most this many keys x head dim, bf16 attention on a CPU computes in fp32 (no less precise;
+# its backward keeps fp32 queries, keys, values and output, twice the bf16 bytes, which --plan's accelerator estimate
+# leaves out).
 CPU_FP32_ATTENTION_MAX = 256 * 32
 
 

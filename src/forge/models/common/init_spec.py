@@ -93,8 +93,8 @@ def block_seed(seed: int, name: str, block: int) -> int:
 
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
-    """Run the block-sized ops on one thread: waking intra-op threads for 2**16 elements costs more than the work
-    (100x more on a busy 2-core host, measured). The values do not depend on it."""
+    """Run the block-sized ops on one thread: waking intra-op threads for 2**16 elements costs more than the work,
+    most of all on a busy host. The values do not depend on it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -4,16 +4,15 @@ glibc serves a large allocation with mmap and returns it to the OS when freed, b
 threshold (up to 32 MiB), so the next allocations of that size come from the heap and stay there once freed.
 
 - Several ranks: a FSDP rank gathers, frees and regathers each block's parameters (tens of MiB at llama_125m); held
-  in the heap, they fragment it and the rank's resident memory grows by what it freed, measured at +0.8 GiB of
-  2.3 GiB on 4 ranks (benchmarks/memory/host_peak.py). A fixed threshold sends tensors of at least that size back
-  to the OS at once.
+  in the heap, they fragment it and the rank's resident memory grows by what it freed (benchmarks/memory/host_peak.py
+  measures it). A fixed threshold sends tensors of at least that size back to the OS at once.
 - One process: a step's tensors of 32 MiB and more (the logits and their gradient at the default config) are
-  mmapped afresh at every step, and the kernel zeroes each 4 KiB page on its first touch: ~24,000 page faults per
-  default step. There the heap serves everything and is never trimmed, so a step reuses the last step's memory.
+  mmapped afresh at every step, and the kernel zeroes each 4 KiB page on its first touch. There the heap serves
+  everything and is never trimmed, so a step reuses the last step's memory (benchmarks/memory/malloc_step_time.py).
 
 Fresh large tensors fault once per 2 MiB instead of once per 4 KiB where torch asks for transparent huge pages
-(its THP_MEM_ALLOC_ENABLE: tensors of 2 MiB or more are page aligned and madvised). A fresh 64 MiB tensor then
-costs 544 page faults instead of 16,385 (8 against 19 ms here).
+(its THP_MEM_ALLOC_ENABLE: tensors of 2 MiB or more are page aligned and madvised): a fresh 64 MiB tensor then
+faults 32 times plus its bookkeeping instead of 16,384 times.
 """
 
 import ctypes
@@ -22,8 +21,6 @@ import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
-
-from omegaconf import DictConfig
 
 log = logging.getLogger("forge")
 
@@ -46,15 +43,15 @@ PREPARED = False
 checks it."""
 
 
-def prepare_cpu_process(train: DictConfig, world_size: int) -> str:
+def prepare_cpu_process(huge_pages_wanted: bool, mmap_threshold_mib: int | None, world_size: int) -> str:
     """Apply train.cpu_huge_pages and train.cpu_mmap_threshold_mib to this process, before the trainer's imports
     (torch.distributed.pipelining allocates a CPU tensor when imported); returns a line for the log."""
     global PREPARED
-    huge_pages = ask_huge_pages() if train.cpu_huge_pages else False
+    huge_pages = ask_huge_pages() if huge_pages_wanted else False
     kernel_allows = THP_SWITCH.is_file() and "[never]" not in THP_SWITCH.read_text()
-    if train.cpu_huge_pages and not huge_pages and kernel_allows and os.environ.get(THP_ENV) == "1":
+    if huge_pages_wanted and not huge_pages and kernel_allows and os.environ.get(THP_ENV) == "1":
         log.warning("torch had allocated a CPU tensor before train.cpu_huge_pages could apply: no huge pages")
-    malloc = configure_host_malloc(train.cpu_mmap_threshold_mib, world_size)
+    malloc = configure_host_malloc(mmap_threshold_mib, world_size)
     PREPARED = True
     return f"host memory: {malloc}; transparent huge pages {'on' if huge_pages else 'off'}"
 
@@ -120,7 +117,7 @@ def set_mmap_threshold(mebibytes: int) -> bool:
     if not done:
         log.warning("the C library refused an mmap threshold of %d MiB; its default stands", mebibytes)
     else:
-        # a fixed threshold also fixes the heap's trim threshold at 128 KiB, and shrinking and regrowing the heap
-        # at every step cost a tiny model's 2-rank step 13 %; glibc's own adaptive rule uses twice the threshold
+        # a fixed threshold also fixes the heap's trim threshold at 128 KiB, and the heap would shrink and regrow at
+        # every step (benchmarks/memory/malloc_step_time.py); glibc's own adaptive rule uses twice the threshold
         mallopt(M_TRIM_THRESHOLD, 2 * (mebibytes << 20))
     return done

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from forge.train.host_malloc import THP_SWITCH
+from forge.runtime.host_memory import THP_SWITCH
 from tests.conftest import ROOT, forge_cmd
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the knob sets glibc's mallopt")
@@ -23,7 +23,7 @@ PROGRAM = """
 import sys
 from pathlib import Path
 import torch
-from forge.train.host_malloc import set_mmap_threshold
+from forge.runtime.host_memory import set_mmap_threshold
 
 def rss_mib():
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS:"))
@@ -60,7 +60,7 @@ FAULTS = """
 import resource, sys
 from pathlib import Path
 import torch
-from forge.train.host_malloc import configure_host_malloc
+from forge.runtime.host_memory import configure_host_malloc
 
 def rss_mib():
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS:"))
@@ -102,7 +102,7 @@ def test_one_process_reuses_its_heap_and_several_ranks_return_large_tensors():
 HUGE_PAGES = """
 import resource, sys
 import torch
-from forge.train.host_malloc import ask_huge_pages
+from forge.runtime.host_memory import ask_huge_pages
 
 if sys.argv[1] == "late":
     torch.ones(1)  # the process has allocated: torch has read its switch already
