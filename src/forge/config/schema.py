@@ -160,7 +160,7 @@ class OptimizerConfig:
 
     _target_: str = domain("torch.optim.AdamW", non_empty=True)
     _partial_: bool = True
-    lr: float = domain(3e-4, gt=0)
+    lr: float = domain(3e-3, gt=0)
     """Peak learning rate."""
     betas: list[float] = domain([0.9, 0.95], length=2, each=Domain(ge=0, lt=1))
     """Adam's (beta1, beta2)."""
@@ -208,7 +208,7 @@ class MuonOptimizerConfig:
     """Run Newton-Schulz in bf16 (as published); false runs it in fp32."""
     weight_decay: float = domain(0.0, ge=0)
     """Decoupled weight decay of the Muon matrices."""
-    adamw_lr: float = domain(3e-4, gt=0)
+    adamw_lr: float = domain(3e-3, gt=0)
     """Peak learning rate of the AdamW parameters (the schedule scales both learning rates alike)."""
     adamw_betas: list[float] = domain([0.9, 0.95], length=2, each=Domain(ge=0, lt=1))
     """AdamW's (beta1, beta2)."""
@@ -226,13 +226,13 @@ class ScheduleFreeOptimizerConfig:
 
     _target_: str = domain("forge.train.optimizers.schedule_free.AdamWScheduleFree", non_empty=True)
     _partial_: bool = True
-    lr: float = domain(2.5e-3, gt=0)
+    lr: float = domain(3e-3, gt=0)
     """Learning rate (constant: the iterate averaging replaces the decay)."""
     betas: list[float] = domain([0.9, 0.999], length=2, each=Domain(ge=0, lt=1))
     """(beta1 = interpolation between the average and the fast iterate, beta2 = Adam's second moment)."""
     eps: float = domain(1e-8, gt=0)
     """Adam's epsilon."""
-    weight_decay: float = domain(0.0, ge=0)
+    weight_decay: float = domain(0.1, ge=0)
     """Weight decay (evaluated at the interpolated point) of matrices; embeddings, norms and biases get none."""
     warmup_steps: int = domain(0, ge=0)
     """The optimizer's own linear warmup (0 when scheduler=constant already warms up)."""
@@ -259,7 +259,7 @@ class ConstantScheduleConfig:
 
     _target_: str = domain("forge.train.schedule.warmup_constant", non_empty=True)
     _partial_: bool = True
-    warmup_steps: int = domain(100, ge=0)
+    warmup_steps: int = domain(20, ge=0)
     """Steps of linear warmup from 0 to the peak."""
 
 
@@ -455,7 +455,7 @@ class ResilienceConfig:
 class TensorBoardTrackerConfig:
     """TensorBoard event files through torch's SummaryWriter (`tensorboard --logdir outputs`)."""
 
-    _target_: str = domain(MISSING, non_empty=True)
+    _target_: str = domain("forge.metrics.trackers.tensorboard_tracker.TensorBoardTracker", non_empty=True)
     log_dir: str = domain("tensorboard", non_empty=True)
     """Event folder, relative to the run directory."""
 
@@ -472,7 +472,7 @@ class WandbMode(StrEnum):
 class WandbTrackerConfig:
     """Weights & Biases; offline by default (upload later with `wandb sync RUN_DIR/wandb/offline-run-*`)."""
 
-    _target_: str = domain(MISSING, non_empty=True)
+    _target_: str = domain("forge.metrics.trackers.wandb_tracker.WandbTracker", non_empty=True)
     mode: WandbMode = WandbMode.offline
     """offline (files in run_dir/wandb, `wandb sync` later), online or disabled."""
     entity: Optional[str] = domain(None, non_empty=True)
@@ -483,7 +483,7 @@ class WandbTrackerConfig:
 class MlflowTrackerConfig:
     """MLflow through MlflowClient (`mlflow ui --backend-store-uri RUN_DIR/mlruns`)."""
 
-    _target_: str = domain(MISSING, non_empty=True)
+    _target_: str = domain("forge.metrics.trackers.mlflow_tracker.MlflowTracker", non_empty=True)
     tracking_uri: Optional[str] = domain(None, non_empty=True)
     """MLflow tracking URI; None uses a local file store in run_dir/mlruns."""
 
