@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from forge.config import compose  # noqa: E402
-from forge.config.validate import fit_warmup_to_run, override_keys  # noqa: E402
+from forge.config.resolve import fit_warmup_to_run, override_keys  # noqa: E402
 from forge.metrics.memory import peak_live_tensor_bytes  # noqa: E402
 from forge.train.trainer import Trainer  # noqa: E402
 

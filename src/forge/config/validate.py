@@ -12,6 +12,7 @@ from forge.config.degrees import Degrees, resolve_degrees
 from forge.config.domains import validate_domains
 from forge.config.errors import ConfigError, require
 from forge.config.interpolations import validate_interpolations
+from forge.config.resolve import composed_from, fill_micro_batch, fill_vocab_from_data_meta, read_only
 from forge.config.schema import (
     V_SHAPED,
     ZERO_BUBBLE,
@@ -34,12 +35,6 @@ def cuda_available() -> bool:
     import torch  # here, not at the top: most configs are checked (and most errors refused) without torch
 
     return torch.cuda.is_available()
-
-
-def composed_from(node: DictConfig, schema: type) -> bool:
-    """Whether a config node is `schema` or a schema extending it: what it is, whatever its `_target_` says."""
-    kind = OmegaConf.get_type(node)
-    return isinstance(kind, type) and issubclass(kind, schema)
 
 
 def _one_of(key: str, value, allowed: tuple) -> None:
@@ -151,7 +146,6 @@ def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
     train = cfg.train
     if train.device == "cuda":
         require(cuda_available(), "train.device=cuda but no CUDA device is available")
-    fill_micro_batch(train, degrees.dp)
     require(
         train.seq_len <= cfg.model.max_seq_len,
         f"train.seq_len={train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}",
@@ -163,46 +157,6 @@ def validate_train(cfg: DictConfig, degrees: Degrees) -> None:
         f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's data.vocab_size="
         f"{cfg.data.vocab_size}",
     )
-
-
-def fill_micro_batch(train: DictConfig, dp: int) -> None:
-    """Set train.micro_batch_size when it is null: global_batch_size / dp, or its largest divisor not above
-    train.max_micro_batch_size (the rest is gradient accumulation). A given value is only checked."""
-    batch, micro, cap = train.global_batch_size, train.micro_batch_size, train.get("max_micro_batch_size")
-    if micro is not None:
-        require(
-            batch % (micro * dp) == 0,
-            f"train.global_batch_size={batch} is not divisible by train.micro_batch_size={micro} x data-parallel "
-            f"ranks={dp} (leave train.micro_batch_size unset to split the global batch over the ranks)",
-        )
-        return
-    require(
-        batch % dp == 0,
-        f"train.global_batch_size={batch} cannot be split over {dp} data-parallel ranks: make it a multiple of {dp}",
-    )
-    per_rank = batch // dp
-    if cap is not None:
-        per_rank = max(d for d in range(1, min(cap, per_rank) + 1) if (batch // dp) % d == 0)
-    train.micro_batch_size = per_rank
-
-
-def override_keys(overrides: list[str]) -> frozenset[str]:
-    """The config keys a list of Hydra overrides sets (`key=v`, `+key=v`, `++key=v`, `~key`)."""
-    return frozenset(o.split("=", 1)[0].lstrip("+~") for o in overrides)
-
-
-def fit_warmup_to_run(cfg: DictConfig, explicit_keys: frozenset[str]) -> str | None:
-    """A warmup longer than the run (a preset's default, e.g. train.steps=4 against 20 steps of warmup) is cut to
-    train.steps; returns the note saying so. Both set by the user (in `explicit_keys`) stays an error."""
-    validate_interpolations(cfg)  # the first function forge-train runs on the config: before anything reads a value
-    warmup = cfg.scheduler.get("warmup_steps")
-    steps = cfg.train.steps
-    if warmup is None or not isinstance(steps, int) or steps < 1 or warmup <= steps:
-        return None
-    if "scheduler.warmup_steps" in explicit_keys:
-        return None  # validate_train names both keys
-    cfg.scheduler.warmup_steps = steps
-    return f"scheduler.warmup_steps={warmup} is longer than train.steps={steps}: warmup cut to {steps} steps"
 
 
 UNSUPPORTED = (
@@ -301,24 +255,6 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
             f"parallel.fp8=true needs a GPU with float8 (compute capability >= 8.9), got "
             f"{torch.cuda.get_device_name()}",
         )
-
-
-def fill_vocab_from_data_meta(data: DictConfig) -> None:
-    """data.vocab_size left unset for prepared shards (data.path): take it from the folder's meta.json, which
-    forge-prepare-data wrote (the corpus checks the two agree anyway)."""
-    import json
-    from pathlib import Path
-
-    if not composed_from(data, MemmapDataConfig) or "path" not in data or not OmegaConf.is_missing(data, "vocab_size"):
-        return  # a key holding ??? is not `in` a DictConfig: path is set here
-    meta = Path(str(data.path)).expanduser() / "meta.json"
-    try:
-        data.vocab_size = int(json.loads(meta.read_text())["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(
-            f"data.vocab_size is not set and cannot be read from data.path={data.path}: {meta} is missing or "
-            f"unreadable ({type(err).__name__}); give data.path a folder written by forge-prepare-data"
-        ) from err
 
 
 BYTE_BPE_TOKENIZERS = ("bpe8k", "bpe")
@@ -601,7 +537,9 @@ def validate_cuda_graphs(cfg: DictConfig, degrees: Degrees) -> None:
 
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
-    """Check every rule; return the resolved parallel degrees. Raises ConfigError naming the keys."""
+    """Check the config's shape, resolve what it leaves to the run (forge.config.resolve: the micro batch, a prepared
+    corpus's vocabulary; the only writes), then check every rule on the config made read-only; return the parallel
+    degrees. Raises ConfigError naming the keys."""
     validate_top_level(cfg)
     typed = type_model_node(cfg)
     for group in cfg:
@@ -613,8 +551,18 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     fill_vocab_from_data_meta(cfg.data)
     validate_required(cfg)
     validate_domains(cfg)  # each field's own range, before the rules between fields
-    validate_data(cfg.data)
     degrees = resolve_degrees(cfg.parallel, world_size)
+    fill_micro_batch(cfg.train, degrees.dp)
+    with read_only(cfg):  # the rules read: a rule that wrote would fail here, not change the run
+        check_rules(cfg, degrees)
+    if typed:
+        cfg.model = OmegaConf.create(OmegaConf.to_container(cfg.model))
+    return degrees
+
+
+def check_rules(cfg: DictConfig, degrees: Degrees) -> None:
+    """The rules between fields and across groups, on a resolved config."""
+    validate_data(cfg.data)
     validate_model(cfg, degrees)
     validate_compile_scope(cfg, degrees)
     validate_cuda_graphs(cfg, degrees)  # before validate_train's device check: each refusal names its own key
@@ -625,10 +573,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_metrics(cfg)
     validate_checkpoint(cfg)
     validate_resilience(cfg)
-    validate_fault_injection(cfg, world_size)
+    validate_fault_injection(cfg, degrees.world_size)
     validate_vlm(cfg, degrees)
     validate_loss(cfg, degrees)
     validate_attention(cfg, degrees)
-    if typed:
-        cfg.model = OmegaConf.create(OmegaConf.to_container(cfg.model))
-    return degrees

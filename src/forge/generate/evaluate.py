@@ -19,7 +19,8 @@ from torch import nn
 
 from forge.checkpoint.errors import CheckpointError
 from forge.config import ConfigError, compose
-from forge.config.validate import fill_vocab_from_data_meta, validate_required
+from forge.config.resolve import fill_vocab_from_data_meta
+from forge.config.validate import validate_required
 from forge.data.loader import TokenWindows, eval_batches
 from forge.generate.activations import capture_activations, save_activations
 from forge.generate.cli import parse

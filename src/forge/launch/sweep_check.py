@@ -30,7 +30,8 @@ def check_sweep(config: DictConfig) -> None:
     """Raise ConfigError naming the first invalid point and why."""
     from hydra import compose
 
-    from forge.config.validate import fit_warmup_to_run, override_keys, validate
+    from forge.config.resolve import fit_warmup_to_run, override_keys
+    from forge.config.validate import validate
     from forge.launch.shape import launch_world_size
     from forge.parallel.env import read_dist_env
 

@@ -12,6 +12,7 @@ from hydra.errors import ConfigCompositionException, InstantiationException, Ove
 from omegaconf import DictConfig, OmegaConf
 
 from forge.config import ConfigError, conf_dir, register_schemas, validate
+from forge.config.degrees import Degrees
 from forge.config.errors import composition_message
 from forge.config.help import field_help
 from forge.config.validate import null_group_refusal
@@ -27,7 +28,7 @@ CALIBRATE = False
 """Set by `--calibrate`: measure this machine and write a device profile for `--plan --search` instead of training."""
 
 
-def build_trainer(cfg: DictConfig, degrees):
+def build_trainer(cfg: DictConfig, degrees: Degrees):
     """The run's trainer (a VLM's with `vlm` set), built after the host is prepared and the model checked to fit."""
     prepare_host(cfg)  # first: torch reads its huge-page switch at the process's first CPU allocation
     check_model_fits(cfg, degrees)
@@ -36,7 +37,7 @@ def build_trainer(cfg: DictConfig, degrees):
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     trainer = VLMTrainer if cfg.get("vlm") is not None else Trainer
-    return trainer(cfg, run_dir)
+    return trainer(cfg, run_dir, degrees)
 
 
 def prepare_host(cfg: DictConfig) -> None:
@@ -63,7 +64,7 @@ def check_model_fits(cfg: DictConfig, degrees) -> None:
 
 def fit_defaults_to_run(cfg: DictConfig) -> None:
     """Defaults that cannot hold for this run are fitted to it, with one warning line (rank 0)."""
-    from forge.config.validate import fit_warmup_to_run, override_keys
+    from forge.config.resolve import fit_warmup_to_run, override_keys
     from forge.parallel.env import read_dist_env
 
     note = fit_warmup_to_run(cfg, override_keys(OmegaConf.to_container(HydraConfig.get().overrides.task)))
@@ -104,7 +105,7 @@ def _task(cfg: DictConfig) -> None:
 
             print_plan(cfg)
             return
-        degrees = validate(cfg)  # again in the trainer; here a config error is refused before its heavy imports
+        degrees = validate(cfg)  # before the trainer's heavy imports: a config error costs none of them
         summary = build_trainer(cfg, degrees).fit()
     except ConfigError as err:
         print(f"forge-train: invalid config: {err}", file=sys.stderr)

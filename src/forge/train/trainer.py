@@ -12,6 +12,7 @@ from forge.checkpoint import Checkpointer, CheckpointError, RunState
 from forge.checkpoint.hf_save import save_run_hf
 from forge.checkpoint.run_lock import hold_run_dir
 from forge.config import validate
+from forge.config.degrees import Degrees
 from forge.metrics.logger import format_duration
 from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter
 from forge.models.common.moe import moe_layers, moe_metrics, update_router_biases
@@ -63,10 +64,12 @@ class NullMetrics:
 class Trainer:
     """Builds every piece from the composed config, then runs the loop."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path):
+    def __init__(self, cfg: DictConfig, run_dir: Path, degrees: Degrees | None = None):
+        """`degrees`: what validate(cfg) returned, when the caller (forge-train) validated the config already;
+        None validates it here (a trainer built in-process)."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.degrees = validate(cfg)
+        self.degrees = validate(cfg) if degrees is None else degrees
         # first: a preemption signal during a long start-up must still end in a checkpoint, not in death by signal
         res = cfg.resilience
         self.preemption = PreemptionHandler(list(res.preemption_signals), res.preemption_deadline_s)
