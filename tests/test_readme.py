@@ -67,7 +67,8 @@ EXPECT = {
         "metrics:",
         "llama_tiny",
         "tp2_fsdp",
-        "train.steps = 250 [in [1, 99999999] (a checkpoint folder name, step-NNNNNNNN, holds 8 digits)]: Optimizer steps.",
+        "train.steps = 250 [in [1, 99999999] (a checkpoint folder name, step-NNNNNNNN, holds 8 digits)]: "
+        "Optimizer steps.",
         "optimizer.lr = 0.003 [> 0]: Peak learning rate.",
     ),
     "forge-train --cfg job model=moe parallel=tp4_fsdp": ("num_experts: 8", "tp: 4"),
