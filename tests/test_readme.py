@@ -47,6 +47,9 @@ NOT_RUN = {
 EXPECT = {
     "forge-train train.steps=4": "warmup cut to 4 steps",
     "forge-train hydra.searchpath=": "warmup cut to 4 steps",  # the experiment's train.steps: 4 applied
+    "forge-train experiment=llama3_8b_h100 --plan": ("plan for 8 ranks", "model 8.030B parameters"),
+    "forge-train debug=fast": "done: 5 steps",
+    "forge-train debug=overfit": "done: 60 steps",
     "forge-train --plan --search": "winner: parallel.dp_replicate=",  # before its prefix: the first match counts
     "torchrun --nproc_per_node=2 -m forge.train --calibrate": "device profile: ",
     "torchrun --nproc_per_node=2 -m forge.train parallel=cp2": "context parallel over 2 ranks",
@@ -134,8 +137,8 @@ def as_run(command: str) -> str:
     if not trains or any(flag in command for flag in ("--cfg", "--help", "--plan", "--calibrate")):
         return command  # nothing to shorten
     steps = re.search(r"train\.steps=(\d+)", command)
-    if "+experiment=" in command or (steps and int(steps.group(1)) <= 4):
-        return f"{command} train.eval_batches=1"  # a run that sets its own (short) length: the smoke test
+    if "experiment=smoke" in command or "debug=" in command or (steps and int(steps.group(1)) <= 4):
+        return f"{command} train.eval_batches=1"  # a run that sets its own (short) length: a smoke or debug run
     smaller = next((extra for prefix, extra in SMALLER.items() if command.startswith(prefix)), "")
     return f"{command} {SHORT} {smaller}".rstrip()
 

@@ -376,6 +376,16 @@ class TrainConfig:
     (THP_MEM_ALLOC_ENABLE; forge.runtime.host_memory): a fresh large tensor then faults once per 2 MiB, not per 4 KiB.
     It takes effect only in a process that has not allocated a CPU tensor yet (the forge-train command), and not
     where the kernel's transparent_hugepage is `never`; the environment's THP_MEM_ALLOC_ENABLE wins."""
+    overfit_batches: int = domain(0, ge=0, means="0: the data as it comes")
+    """Train on the run's first n global batches again and again (conf/debug/overfit.yaml): a model, loss and
+    optimizer that work drive their loss towards zero. Validation reads the validation split as usual."""
+    detect_anomaly: bool = False
+    """Autograd's anomaly mode for the whole run (torch.autograd.set_detect_anomaly with check_nan): a backward op
+    that returns NaN raises, naming the forward op that made it. Slow: for hunting a NaN (conf/debug/anomaly.yaml)."""
+    deterministic: bool = False
+    """Deterministic kernels (torch.use_deterministic_algorithms; on CUDA cuBLAS's fixed workspace and no cuDNN
+    autotuning): two runs of the same config and world repeat their losses bit for bit, and an op without a
+    deterministic kernel raises (conf/debug/determinism.yaml)."""
 
 
 AsyncMode = StrEnum("AsyncMode", [(name, name) for name in ("sync", "async", "async_pinned")], module=__name__)

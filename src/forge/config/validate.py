@@ -43,7 +43,12 @@ def config_groups() -> tuple[str, ...]:
     from forge.config.paths import conf_dir
 
     defaults = yaml.safe_load((conf_dir() / "train.yaml").read_text())["defaults"]
-    return tuple(next(iter(entry)) for entry in defaults if isinstance(entry, dict))
+    groups = (next(iter(entry)) for entry in defaults if isinstance(entry, dict))
+    return tuple(group for group in groups if group not in GLOBAL_GROUPS)
+
+
+GLOBAL_GROUPS = ("experiment", "debug")
+"""Groups whose options are `# @package _global_`: they set keys of other groups and have no key of their own."""
 
 
 OPTIONAL_GROUPS = ("loss", "vlm", "search")

@@ -30,6 +30,7 @@ from forge.resilience.preemption import EXIT_INTERRUPTED, PreemptionHandler
 from forge.runtime import host_memory
 from forge.train import build
 from forge.train.compute_weights import ComputeWeights, compute_weights
+from forge.train.debug_modes import RepeatedBatches, debug_modes
 from forge.train.freeze import Unfrozen
 from forge.train.losses import cross_entropy
 from forge.train.masked_step import applied_where, masks_on_device
@@ -118,6 +119,8 @@ class Trainer:
         set_optimizer_mode(self.optimizer, "train")  # schedule-free: DCP's state init takes a (zero-lr) step
         self.masked_updates = masks_on_device(self.optimizer)  # a non-finite step's update is dropped on the device
         self.loader = build.build_loader(cfg, self.corpus, self.dp_rank, self.dp_size)
+        if cfg.train.overfit_batches:
+            self.loader = RepeatedBatches(self.loader, cfg.train.overfit_batches * self.grad_accum)
         self.state = self.restore()
         self.guard = StepGuard(cfg.resilience, self.preemption)
         self.preempted = False
@@ -401,8 +404,8 @@ class Trainer:
         """Train to train.steps (or until preempted): the first evaluation, then each step trains, logs, evaluates
         and saves when due. The guard reads each step's non-finite and stop flags (`before_step`, `after_step`:
         skip a rolled-back step's batches, read the flags when the host waits anyway, stop on a signal)."""
-        with self.ending_cleanly():
-            train = self.cfg.train
+        train = self.cfg.train
+        with self.ending_cleanly(), debug_modes(train.detect_anomaly, train.deterministic, self.device):
             self.warn_if_trained()
             self.model.train()
             first_val = val_loss = self.evaluate()
