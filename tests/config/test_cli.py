@@ -77,11 +77,11 @@ def test_a_warmup_set_longer_than_the_run_is_refused(tmp_path):
 
 
 def test_an_unknown_top_level_key_is_refused(tmp_path):
-    """`+foo=bar` (or `+experiment=x` when no experiment group is on the search path) used to be ignored."""
-    result = run_cli(tmp_path, "+experiment=smoke")
+    """`+foo=bar` (or `+recipe=x` for a group not on the search path) used to be ignored."""
+    result = run_cli(tmp_path, "+recipe=smoke")
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip() and "warn" not in line.lower()]
-    assert len(lines) == 1 and "unknown top-level config key(s) experiment" in lines[0], result.stderr
+    assert len(lines) == 1 and "unknown top-level config key(s) recipe" in lines[0], result.stderr
 
 
 def test_a_sweep_with_a_bad_point_runs_none_of_its_points(tmp_path):

@@ -56,6 +56,6 @@ def run_then_exit(main: Callable[[], int | None]) -> NoReturn:
 
 
 def run_command(module: str, name: str = "main") -> NoReturn:
-    """Import `module` (after this module registered its exit handler, so the module's own handlers run before it)
-    and run its `name` through run_then_exit."""
-    run_then_exit(getattr(import_module(module), name))
+    """Import `module` (after this module registered its exit handler, so the module's own handlers run before it),
+    run its `name` and exit as run_then_exit does."""
+    exit_without_teardown(getattr(import_module(module), name)() or 0)
