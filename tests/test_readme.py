@@ -32,7 +32,8 @@ composes, and its whole model is still built, initialised and stepped."""
 
 PROGRAMS = {
     "forge-train", "forge-generate", "forge-eval", "forge-lm-eval", "forge-prepare-data", "forge-convert",
-    "forge-plot", "torchrun", "launchers/torchrun.sh", "python", "make", "bash", "mkdir", "sbatch",
+    "forge-plot", "forge-sweep-report", "torchrun", "launchers/torchrun.sh", "python", "make", "bash", "mkdir",
+    "sbatch",
 }  # fmt: skip
 """A README block is a command block when its first line starts with one of these (after VAR=value words)."""
 
@@ -42,6 +43,8 @@ NOT_RUN = {
     "FORGE_RUN_DIR=outputs/my-run sbatch --nodes=2": "needs two GPU nodes; tests/launch/test_sbatch.py submits "
     "launchers/slurm.sbatch to the local cluster",
     "bash launchers/local-slurm/start-slurm.sh": "run by the `slurm` fixture, which the local_slurm commands use",
+    "forge-sweep-report multirun/lr": "tests/launch/test_sweep_report.py runs a sweep and reports it (the README's "
+    "sweep may run in another test worker)",
 }
 
 EXPECT = {
@@ -49,6 +52,7 @@ EXPECT = {
     "forge-train hydra.searchpath=": "warmup cut to 4 steps",  # the experiment's train.steps: 4 applied
     "forge-train experiment=llama3_8b_h100 --plan": ("plan for 8 ranks", "model 8.030B parameters"),
     "forge-train debug=fast": "done: 5 steps",
+    "forge-train -m optimizer.lr=1e-3,3e-3 debug=fast": "done: 5 steps",
     "forge-train debug=overfit": "done: 60 steps",
     "forge-train --plan --search": "winner: parallel.dp_replicate=",  # before its prefix: the first match counts
     "torchrun --nproc_per_node=2 -m forge.train --calibrate": "device profile: ",

@@ -27,3 +27,8 @@ def forge_generate() -> None:
 def forge_eval() -> None:
     """forge-eval: held-out loss and perplexity of a trained model (forge.generate.evaluate)."""
     run_command("forge.generate.evaluate")
+
+
+def forge_sweep_report() -> None:
+    """forge-sweep-report: a Hydra multirun, one row per point ranked by validation loss (forge.launch.sweep_report)."""
+    run_command("forge.launch.sweep_report")

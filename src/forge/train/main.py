@@ -85,7 +85,9 @@ def check_output_dir() -> None:
         raise ConfigError(f"{key} is empty: give the run a folder of its own (e.g. {key}=outputs/my-run)")
 
 
-def _task(cfg: DictConfig) -> None:
+def _task(cfg: DictConfig) -> float | None:
+    """One run (or sweep point); returns its objective, the last validation loss, for a sweeper that optimises it
+    (Hydra records it as the job's return value; hydra-optuna-sweeper minimises it)."""
     try:
         check_output_dir()
         fit_defaults_to_run(cfg)
@@ -134,6 +136,7 @@ def _task(cfg: DictConfig) -> None:
 
         requeue_via_submitit()  # under submitit: requeue the job (rank 0 does not return)
         sys.exit(EXIT_PREEMPTED)
+    return summary["final_val_loss"]
 
 
 def remove_empty_run_dir() -> None:
