@@ -53,6 +53,7 @@ EXPECT = {
     "forge-train experiment=llama3_8b_h100 --plan": ("plan for 8 ranks", "model 8.030B parameters"),
     "forge-train debug=fast": "done: 5 steps",
     "forge-train -m optimizer.lr=1e-3,3e-3 debug=fast": "done: 5 steps",
+    "forge-train -m hydra/launcher=torchrun": "FSDP over mesh {'dp_shard': 2}",
     "forge-train debug=overfit": "done: 60 steps",
     "forge-train --plan --search": "winner: parallel.dp_replicate=",  # before its prefix: the first match counts
     "torchrun --nproc_per_node=2 -m forge.train --calibrate": "device profile: ",
