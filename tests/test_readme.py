@@ -45,6 +45,11 @@ NOT_RUN = {
     "bash launchers/local-slurm/start-slurm.sh": "run by the `slurm` fixture, which the local_slurm commands use",
     "forge-sweep-report multirun/lr": "tests/launch/test_sweep_report.py runs a sweep and reports it (the README's "
     "sweep may run in another test worker)",
+    "forge-train -m optimizer.lr=1e-3,3e-3 debug=fast hydra.sweep.dir=": "tests/launch/test_sweep_report.py runs this "
+    "sweep",
+    "forge-train -m hydra/launcher=torchrun": "tests/launch/test_torchrun_launcher.py runs this sweep (2 points x 2 "
+    "processes)",
+    "forge-train debug=overfit": "tests/train/test_debug_presets.py runs it and checks the loss falls below 0.5",
 }
 
 EXPECT = {
@@ -52,9 +57,6 @@ EXPECT = {
     "forge-train hydra.searchpath=": "warmup cut to 4 steps",  # the experiment's train.steps: 4 applied
     "forge-train experiment=llama3_8b_h100 --plan": ("plan for 8 ranks", "model 8.030B parameters"),
     "forge-train debug=fast": "done: 5 steps",
-    "forge-train -m optimizer.lr=1e-3,3e-3 debug=fast": "done: 5 steps",
-    "forge-train -m hydra/launcher=torchrun": "FSDP over mesh {'dp_shard': 2}",
-    "forge-train debug=overfit": "done: 60 steps",
     "forge-train --plan --search": "winner: parallel.dp_replicate=",  # before its prefix: the first match counts
     "torchrun --nproc_per_node=2 -m forge.train --calibrate": "device profile: ",
     "torchrun --nproc_per_node=2 -m forge.train parallel=cp2": "context parallel over 2 ranks",
