@@ -6,6 +6,9 @@ Two fresh processes alternate for --rounds rounds: each imports the trainer (tor
 and ends, one through Python's whole exit, the other through `exit_without_teardown` (threads joined, atexit
 handlers run, no module teardown). The table shows the median wall-clock and CPU seconds of each; the difference
 is what every rank of every job pays after its work is done.
+
+Last result (2 CPUs, avx512_bf16, --rounds 5): Python's exit 2.83 s wall / 2.92 s CPU, exit_without_teardown
+2.16 / 2.26 s.
 """
 
 import argparse

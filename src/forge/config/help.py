@@ -82,16 +82,18 @@ def summary(doc: str) -> str:
     return (sentence[:cut] if cut > SUMMARY_WIDTH // 3 else sentence[:SUMMARY_WIDTH]) + " ..."
 
 
-def shown(value) -> str:
-    """A value as YAML writes it, on one line, shortened past VALUE_WIDTH."""
+def shown(value, width: int | None = VALUE_WIDTH) -> str:
+    """A value as YAML writes it, on one line; shortened past `width` characters (None: whole)."""
+    if isinstance(value, (ListConfig, DictConfig)):
+        value = OmegaConf.to_container(value)
     if isinstance(value, enum.Enum):
         value = value.name
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
     if isinstance(value, list):
-        text = "[" + ", ".join(shown(item) for item in value) + "]"
+        text = "[" + ", ".join(shown(item, None) for item in value) + "]"
     elif isinstance(value, dict):
-        text = "{" + ", ".join(f"{key}: {shown(item)}" for key, item in value.items()) + "}"
-    return text if len(text) <= VALUE_WIDTH else text[: VALUE_WIDTH - 3] + "..."
+        text = "{" + ", ".join(f"{key}: {shown(item, None)}" for key, item in value.items()) + "}"
+    return text if width is None or len(text) <= width else text[: width - 3] + "..."
 
 
 def schema_of(node, fallback: type) -> type:
@@ -165,7 +167,8 @@ def reference_page() -> str:
         lines += ["| field | default | domain | meaning |", "|---|---|---|---|"]
         for field, doc in docs.items():
             default = _declared_default(declared.get(field))
-            default_text = "required" if default is dataclasses.MISSING or default == "???" else f"`{_cell(default)}`"
+            whole = shown(default, None).replace("|", "/")
+            default_text = "required" if default is dataclasses.MISSING or default == "???" else f"`{whole}`"
             domain = domains.get(field, "")
             lines.append(f"| `{field}` | {default_text} | {domain} | {doc.replace('|', '/')} |")
         lines.append("")
@@ -196,15 +199,6 @@ def documented_classes() -> dict[str, type]:
         if not any(issubclass(cls, spec.args) for cls in found.values()):
             visit(spec.args)
     return found
-
-
-def _cell(value) -> str:
-    if isinstance(value, (ListConfig, DictConfig)):
-        value = OmegaConf.to_container(value)
-    if isinstance(value, enum.Enum):
-        return value.name
-    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    return text.replace("|", "/")
 
 
 def page_path() -> Path:

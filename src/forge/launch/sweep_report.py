@@ -64,9 +64,8 @@ def read_point(run: Path) -> Point:
         loss=train[-1]["loss"] if train else None,
         val_loss=evals[-1]["val_loss"] if evals else None,
         tokens_per_s=statistics.mean(r["tokens_per_s"] for r in timed) if timed else None,
-        mfu=statistics.mean(r["mfu"] for r in timed if r.get("mfu") is not None) if any(
-            r.get("mfu") is not None for r in timed) else None,
-    )  # fmt: skip
+        mfu=statistics.mean(mfus) if (mfus := [r["mfu"] for r in timed if r.get("mfu") is not None]) else None,
+    )
 
 
 def ranked(points: list[Point]) -> list[Point]:

@@ -4,7 +4,6 @@ the other, in the point's folder of the sweep directory, so a sweep of data-, te
 no cluster. Each point's return value is its last validation loss (read from its metrics.jsonl); a point that fails
 is a failed job, as under Hydra's own launcher."""
 
-import json
 import logging
 import subprocess
 import sys
@@ -71,8 +70,8 @@ def job_return(overrides: list[str], job_dir: Path, returncode: int) -> JobRetur
         ret.status = JobStatus.FAILED
         ret._return_value = RuntimeError(f"sweep point {' '.join(overrides)} exited with {returncode} ({job_dir})")
         return ret
-    metrics = job_dir / "metrics.jsonl"
-    losses = [json.loads(line).get("val_loss") for line in metrics.read_text().splitlines() if line.strip()]
+    from forge.launch.sweep_report import read_point  # here: Hydra imports this module at every start-up
+
     ret.status = JobStatus.COMPLETED
-    ret._return_value = next((loss for loss in reversed(losses) if loss is not None), None)
+    ret._return_value = read_point(job_dir).val_loss
     return ret
