@@ -6,7 +6,11 @@ deepseek_v3_small's latent attention (with and without the query's low-rank pair
 aux-loss scope; on real gloo ranks.
 
 The reference runs the same micro-batches in one process: a micro_batch aux loss is each micro-batch's, so a layout
-with 2 data-parallel ranks of 4 samples is compared with one process accumulating 2 micro-batches of 4.
+with 2 data-parallel ranks of 4 samples is compared with one process accumulating 2 micro-batches of 4. The same
+holds for the presets' balanced selection, solved on the tokens a layer routes: tp (which gathers the sequence
+before routing), ep and dp cases keep it on. Cases whose ranks route other token sets than the reference's
+micro-batches turn it off (SIGN): cp ranks each route half of every sequence, and the global_batch cases compare
+2 ranks' micro-batches of 4 with one micro-batch of 8.
 """
 
 import json
@@ -24,7 +28,9 @@ pytestmark = pytest.mark.dist
 RTOL = 1e-4  # fp32; the measured differences are ~1e-7 (the order of the tp ranks' partial sums)
 MOE = ["model=moe_tiny", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4"]
 MOE += ["model.moe.expert_ffn_dim=64"]
+SIGN = ["model.moe.balanced_selection=false"]
 SIGMOID = ["model.moe.router=sigmoid_topk", "model.moe.num_shared_experts=1", "model.moe.aux_loss_scope=global_batch"]
+SIGMOID += SIGN
 SEQUENCE = ["model.moe.aux_loss_scope=sequence", "model.moe.capacity_factor=1.0"]
 LATENT = [  # deepseek_v3_small's kinds (latent attention, sigmoid router, a shared expert, sequence aux loss), small
     "model=deepseek_v3_small", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
@@ -44,21 +50,21 @@ TWO_RANKS = {
         [], ["parallel=tp2", "train.micro_batch_size=4", "parallel.activation_checkpoint=selective"], 4
     ),
     "latent_tp2": (LATENT, ["parallel=tp2", "train.micro_batch_size=8"], 8),
-    "cp2": ([], ["parallel=cp2", "train.micro_batch_size=8"], 8),
+    "cp2": (SIGN, ["parallel=cp2", "train.micro_batch_size=8"], 8),
 }  # fmt: skip
 FOUR_RANKS = {
     "tp4_fsdp": ([], ["parallel=tp4_fsdp", "train.micro_batch_size=8"], 8),
     "tp2_fsdp": ([], ["parallel=tp2_fsdp", "train.micro_batch_size=4"], 4),
     "tp2_fsdp_sigmoid_shared_global": (SIGMOID, ["parallel=tp2_fsdp", "train.micro_batch_size=4"], 8),
-    "cp2_fsdp": ([], ["parallel=cp2_fsdp", "train.micro_batch_size=4"], 4),
+    "cp2_fsdp": (SIGN, ["parallel=cp2_fsdp", "train.micro_batch_size=4"], 4),
     "cp2_fsdp_sigmoid_global": (
-        ["model.moe.router=sigmoid_topk", "model.moe.aux_loss_scope=global_batch"],
+        ["model.moe.router=sigmoid_topk", "model.moe.aux_loss_scope=global_batch", *SIGN],
         ["parallel=cp2_fsdp", "train.micro_batch_size=4"],
         8,
     ),
-    "latent_cp2_fsdp": (LATENT, ["parallel=cp2_fsdp", "train.micro_batch_size=4"], 8),
+    "latent_cp2_fsdp": ([*LATENT, *SIGN], ["parallel=cp2_fsdp", "train.micro_batch_size=4"], 8),
     "latent_full_wq_tp2_fsdp": (
-        [*LATENT, "model.mla.q_lora_rank=0"],
+        [*LATENT, "model.mla.q_lora_rank=0", *SIGN],
         ["parallel=tp2_fsdp", "train.micro_batch_size=4"],
         8,
     ),

@@ -1,4 +1,5 @@
-"""forge-plot RUN_DIR...: loss, learning rate and tokens/s of one run or a sweep, from metrics.jsonl, as a PNG.
+"""forge-plot RUN_DIR...: loss, learning rate and tokens/s of one run or a sweep, from metrics.jsonl, as a PNG;
+for an MoE, the expert loads too.
 
 A directory without its own metrics.jsonl is searched for runs below it (a Hydra multirun folder is a sweep).
 """
@@ -15,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
+MOE_PANEL = ("expert load", "expert load / even share")
 
 log = logging.getLogger("forge")
 
@@ -55,21 +57,38 @@ def read_records(run: Path) -> list[dict]:
     return records
 
 
+def saved_overrides(run: Path) -> list[str]:
+    """The command-line overrides Hydra saved for the run, or [] without them."""
+    path = run / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return []
+    return [line.removeprefix("- ").strip() for line in path.read_text().splitlines() if line.strip()]
+
+
 def run_label(run: Path, runs: list[Path]) -> str:
-    """The run's overrides when Hydra saved them (a sweep's distinguishing keys), else its folder name."""
-    overrides = run / ".hydra" / "overrides.yaml"
-    if len(runs) > 1 and overrides.is_file():
-        items = [line.removeprefix("- ").strip() for line in overrides.read_text().splitlines() if line.strip()]
-        if items:
-            return " ".join(items)
-    return run.name
+    """The overrides that set this run apart from the others (a sweep's distinguishing keys), else its folder
+    name."""
+    own = saved_overrides(run)
+    shared = set.intersection(*(set(saved_overrides(other)) for other in runs)) if len(runs) > 1 else set(own)
+    return " ".join(item for item in own if item not in shared) or run.name
+
+
+def expert_load_extremes(record: dict) -> tuple[float, float] | None:
+    """(largest load_max, smallest load_min) over an MoE's layers in one record, as multiples of the even share;
+    None for a record without them."""
+    tops = [v for k, v in record.items() if k.startswith("moe/") and k.endswith("/load_max")]
+    lows = [v for k, v in record.items() if k.startswith("moe/") and k.endswith("/load_min")]
+    return (max(tops), min(lows)) if tops and lows else None
 
 
 def plot_runs(runs: list[Path], out: Path, width: float = 12.0, height: float = 3.6, dpi: int = 100) -> Path:
-    """Draws one panel per curve (loss with val_loss, lr, tokens/s), one line per run; returns `out`."""
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(width, height), dpi=dpi)
-    for run in runs:
-        records = read_records(run)
+    """Draws one panel per curve (loss with val_loss, lr, tokens/s, and for an MoE the most and least loaded
+    expert over its layers), one line per run; returns `out`."""
+    runs_records = [read_records(run) for run in runs]
+    moe = any(expert_load_extremes(r) for records in runs_records for r in records)
+    panels = PANELS + ((MOE_PANEL,) if moe else ())
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels) / len(PANELS), height), dpi=dpi)
+    for run, records in zip(runs, runs_records):
         label = run_label(run, runs)
         train = [r for r in records if "loss" in r and "step" in r]
         evals = [r for r in records if "val_loss" in r and "step" in r]
@@ -80,7 +99,14 @@ def plot_runs(runs: list[Path], out: Path, width: float = 12.0, height: float = 
                 if key == "loss" and evals:
                     steps, values = zip(*[(r["step"], r["val_loss"]) for r in evals])
                     ax.plot(steps, values, "o--", color=line.get_color(), label=f"{label} (val)")
-    for ax, (_, title) in zip(axes, PANELS):
+        loads = [(r["step"], *extremes) for r in train if (extremes := expert_load_extremes(r))]
+        if loads:
+            steps, tops, lows = zip(*loads)
+            (line,) = axes[-1].plot(steps, tops, label=f"{label} (max)")
+            axes[-1].plot(steps, lows, "--", color=line.get_color(), label=f"{label} (min)")
+    if moe:
+        axes[-1].legend(fontsize="small")
+    for ax, (_, title) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

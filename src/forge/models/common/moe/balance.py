@@ -40,7 +40,10 @@ def router_losses(model: nn.Module) -> torch.Tensor:
         if args.z_loss_coef:
             total = total + args.z_loss_coef * layer.last_z_loss
         tally = getattr(layer, "step_tally", None)
-        step = torch.stack([layer.last_routed, layer.last_kept]).float()
+        rows = [layer.last_routed.float(), layer.last_kept.float()]
+        if layer.last_offsets is not None:  # balanced selection: the offsets, and a row of ones that counts them
+            rows += [layer.last_offsets.float(), torch.ones_like(layer.last_offsets, dtype=torch.float32)]
+        step = torch.stack(rows)
         layer.step_tally = step if tally is None else tally + step
         layer.step_losses = torch.stack([layer.last_aux_loss.detach(), layer.last_z_loss.detach()])
     return total
@@ -53,7 +56,8 @@ def update_router_biases(
     for_metrics: bool = True,
     mask: torch.Tensor | None = None,
 ) -> None:
-    """Sigmoid routers: bias += rate * sign(mean_load - load), from this step's tallied loads (DeepSeek-V3).
+    """Sigmoid routers: bias += rate * sign(mean_load - load), from this step's tallied loads (DeepSeek-V3); with
+    balanced selection, bias += the mean of the step's balancing offsets (over micro-batches and ranks).
 
     `all_reduce` sums a tensor over the processes in place, so every replica of a router takes the same step; it
     runs once for all layers that need the global loads (the bias updates, and with `for_metrics` every layer, for
@@ -74,13 +78,17 @@ def update_router_biases(
         tally = layer.step_tally
         layer.last_step_tally, layer.step_tally = tally, None
         if _updates_bias(layer):
-            load = tally[0]
-            update = layer.args.bias_update_rate * torch.sign(load.mean() - load)
+            if layer.args.balanced_selection:
+                update = tally[2] / tally[3].clamp(min=1)
+            else:
+                load = tally[0]
+                update = layer.args.bias_update_rate * torch.sign(load.mean() - load)
             layer.router.expert_bias.add_(update if mask is None else update * mask.to(update.dtype))
 
 
 def _updates_bias(layer: MoE) -> bool:
-    return layer.args.router == "sigmoid_topk" and bool(layer.args.bias_update_rate)
+    args = layer.args
+    return args.router == "sigmoid_topk" and (args.balanced_selection or bool(args.bias_update_rate))
 
 
 def moe_metrics(model: nn.Module) -> dict[str, float]:
@@ -94,7 +102,7 @@ def moe_metrics(model: nn.Module) -> dict[str, float]:
         if tally is None:
             continue
         label = name.removeprefix("layers.").removesuffix(".feed_forward") or "0"
-        routed, kept = tally
+        routed, kept = tally[0], tally[1]
         share = routed / routed.mean().clamp(min=1e-9)
         metrics[f"moe/{label}/load_max"] = share.max().item()
         metrics[f"moe/{label}/load_min"] = share.min().item()

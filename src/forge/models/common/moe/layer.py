@@ -36,8 +36,9 @@ class MoE(nn.Module):
             raise ValueError(f"moe.aux_loss_scope={args.aux_loss_scope!r} is not one of {', '.join(AuxLossScope)}")
         self.args = args
         self.router = Router(
-            dim, args.num_experts, args.top_k, args.router, args.expert_groups, args.groups_per_token, args.route_scale
-        )
+            dim, args.num_experts, args.top_k, args.router, args.expert_groups, args.groups_per_token, args.route_scale,
+            args.balanced_selection,
+        )  # fmt: skip
         self.experts = GroupedExperts(dim, hidden, args.num_experts, args.grouped_mm)
         # n shared SwiGLU experts of size `hidden` equal one SwiGLU of size n * hidden.
         self.shared_experts = FeedForward(dim, hidden * args.num_shared_experts) if args.num_shared_experts else None
@@ -48,6 +49,7 @@ class MoE(nn.Module):
         self.last_z_loss: torch.Tensor | None = None
         self.last_routed: torch.Tensor | None = None
         self.last_kept: torch.Tensor | None = None
+        self.last_offsets: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -74,6 +76,7 @@ class MoE(nn.Module):
         self.last_aux_loss = aux
         self.last_z_loss = router_z_loss(routing.logits)
         self.last_routed, self.last_kept = kept.routed.detach(), kept.counts.detach()
+        self.last_offsets = routing.offsets
         return out.view(shape)
 
     def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
