@@ -87,8 +87,26 @@ CASES = [
     (["model=moe", "model.moe.expert_groups=8", "model.moe.groups_per_token=8"], 1, ["fewer than 2 experts"]),
     (["model=moe", "model.moe.expert_groups=3"], 1, ["model.moe.expert_groups=3 must divide"]),
     (["model=moe", "model.moe.expert_groups=2", "model.moe.groups_per_token=3"], 1, ["groups_per_token=3"]),
-    (["model=moe", "model.moe.expert_groups=8", "model.moe.groups_per_token=1"], 1, ["fewer than 2 experts"]),
-    (["model=moe", "model.moe.expert_groups=4", "model.moe.top_k=3"], 1, ["top_k=3 is more than the 2 experts"]),
+    (
+        [
+            "model=moe",
+            "model.moe.expert_groups=8",
+            "model.moe.groups_per_token=1",
+            "model.moe.balanced_selection=false",
+        ],
+        1,
+        ["fewer than 2 experts"],
+    ),
+    (
+        ["model=moe", "model.moe.expert_groups=4", "model.moe.top_k=3", "model.moe.balanced_selection=false"],
+        1,
+        ["top_k=3 is more than the 2 experts"],
+    ),
+    (
+        ["model=moe", "model.moe.expert_groups=4", "model.moe.groups_per_token=2"],
+        1,
+        ["balanced_selection with model.moe.expert_groups=4", "not the groups a token keeps"],
+    ),
     (["model=moe", "model.moe.capacity_factor=-1"], 1, ["model.moe.capacity_factor=-1"]),
     (["parallel=pp2", "model.n_layers=3", "train.micro_batch_size=4"], 2, ["model.n_layers=3", "parallel.pp=2"]),
     (["parallel=pp2", "model.n_layers=1", "train.micro_batch_size=4"], 2, ["cannot be split"]),

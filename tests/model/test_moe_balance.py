@@ -35,12 +35,19 @@ def test_offsets_give_each_expert_its_share(experts, k):
     assert balanced.min() >= 0.9 * share and balanced.max() <= 1.1 * share, balanced.tolist()
 
 
-def test_offsets_stay_finite_beside_experts_out_of_reach():
+def test_offsets_reach_for_experts_that_few_tokens_can_take():
     choice = shared_preference(256, 8)
-    choice[:, :4] = float("-inf")  # a token's other groups, as group-limited routing masks them
+    choice[:192, :4] = float("-inf")  # three quarters of the tokens cannot take experts 0-3
     offsets = balancing_offsets(choice, 2)
     assert torch.isfinite(offsets).all()
-    assert counts(choice + offsets, 2)[4:].min() > 0
+    assert offsets[:4].min() > offsets[4:].max()  # pushed up as far as they go
+    # Short of their even share (64 each) they take all they can: both choices of the 64 tokens that reach them.
+    assert counts(choice + offsets, 2)[:4].sum() == 128
+
+
+def test_offsets_of_nothing_to_balance_are_zero():
+    assert torch.equal(balancing_offsets(torch.rand(0, 8), 2), torch.zeros(8))
+    assert torch.equal(balancing_offsets(torch.rand(16, 4), 4), torch.zeros(4))
 
 
 def test_router_balances_in_training_only_and_keeps_the_weights_unbiased():

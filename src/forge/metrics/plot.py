@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
-MOE_PANEL = ("expert load", "expert load / even share")
+MOE_TITLE = "expert load / even share"
 
 log = logging.getLogger("forge")
 
@@ -86,7 +86,7 @@ def plot_runs(runs: list[Path], out: Path, width: float = 12.0, height: float = 
     expert over its layers), one line per run; returns `out`."""
     runs_records = [read_records(run) for run in runs]
     moe = any(expert_load_extremes(r) for records in runs_records for r in records)
-    panels = PANELS + ((MOE_PANEL,) if moe else ())
+    panels = PANELS + (("", MOE_TITLE),) * moe
     fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels) / len(PANELS), height), dpi=dpi)
     for run, records in zip(runs, runs_records):
         label = run_label(run, runs)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="forge-plot", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories or folders of runs (a sweep)")
     parser.add_argument("-o", "--out", type=Path, help="PNG path (default: RUN_DIR/metrics.png, or ./forge-plot.png)")
-    parser.add_argument("--dpi", type=int, default=100, help="resolution (the figure is 12 x 3.6 inches)")
+    parser.add_argument("--dpi", type=int, default=100, help="resolution (each panel is 4 x 3.6 inches)")
     args = parser.parse_args(argv)
     runs = find_runs(args.runs)
     if not runs:

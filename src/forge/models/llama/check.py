@@ -58,6 +58,11 @@ def validate_model(model: DictConfig) -> None:
         )
         require(kept <= groups, f"model.moe.groups_per_token={kept} must be in 1..model.moe.expert_groups={groups}")
         if groups > 1:
+            require(
+                kept == groups or not moe.balanced_selection,
+                f"model.moe.balanced_selection with model.moe.expert_groups={groups} and groups_per_token={kept} is "
+                "not supported: the offsets balance experts, not the groups a token keeps",
+            )
             per_group = moe.num_experts // groups
             require(per_group >= 2, f"model.moe.expert_groups={groups} leaves fewer than 2 experts per group")
             require(

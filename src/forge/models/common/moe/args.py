@@ -58,15 +58,17 @@ class MoEArgs:
     """Weight of the router z-loss."""
     bias_update_rate: float = domain(0.001, ge=0)
     """Step size of the per-expert bias update (sigmoid router): bias += rate * sign(mean load - load) per step.
-    Unused with balanced_selection, whose bias takes the solved offsets instead."""
+    Unused with balanced_selection, whose bias takes the solved offsets instead (a rate of 0 then freezes nothing)."""
     balanced_selection: bool = False
     """Training forwards choose experts with per-expert offsets solved on the tokens the layer routes, so each expert
-    gets its even share (forge.models.common.moe.router.balancing_offsets; no gradient). A sigmoid router's bias
-    then moves to the step's mean offsets, so evaluation and exports route near-evenly with the bias alone; a
-    softmax router evaluates with plain top-k, as Mixtral and Qwen3-MoE run. Holds the balance while the hidden
-    states of an early, fast-learning run are nearly alike, where sign updates lag behind. Layouts whose ranks route
-    a micro-batch's tokens together (data, tensor, expert parallel) choose as one process; under context or
-    pipeline parallelism each rank balances its part of the sequences or its pipeline micro-batch."""
+    gets its even share (not with group-limited routing; forge.models.common.moe.router.balancing_offsets; no
+    gradient). A sigmoid router's bias then moves to the step's mean offsets, so evaluation and exports route
+    near-evenly with the bias alone; a softmax router evaluates with plain top-k, as Mixtral and Qwen3-MoE run, and
+    its aux loss has little to correct while the choice is balanced, so its top-k is less even than training's.
+    Holds the balance while the hidden states of an early, fast-learning run are nearly alike, where sign updates
+    lag behind. Each micro-batch is solved on its own: tensor parallelism (which gathers the sequence) chooses as
+    one process; data and expert parallel ranks as one process accumulating the same micro-batches; under context
+    or pipeline parallelism each rank balances its part of the sequences or its pipeline micro-batch."""
     aux_loss_scope: AuxLossScope = AuxLossScope.micro_batch
     """Tokens the load-balancing loss averages over: micro_batch (Switch, each rank's micro-batch), sequence
     (DeepSeek-V3's per-sequence loss, averaged over the sequences) or global_batch (the expert loads of the
