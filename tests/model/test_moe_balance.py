@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from forge.config import compose
+from forge.metrics.plot import expert_load_extremes
 from forge.models.common.moe.args import MoEArgs
 from forge.models.common.moe.balance import router_losses, update_router_biases
 from forge.models.common.moe.layer import MoE
@@ -101,12 +102,7 @@ def loads_after(tmp_path, balanced: bool, steps: int = 25) -> list[tuple[float, 
     overrides += [f"model.moe.balanced_selection={str(balanced).lower()}"]
     Trainer(compose(overrides), tmp_path).fit()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    shares = []
-    for record in records:
-        if record.get("step", 0) >= 20 and "loss" in record:
-            shares.append((max(v for k, v in record.items() if k.endswith("/load_max")),
-                           min(v for k, v in record.items() if k.endswith("/load_min"))))  # fmt: skip
-    return shares
+    return [expert_load_extremes(r) for r in records if r.get("step", 0) >= 20 and "loss" in r]
 
 
 def test_default_moe_keeps_its_balance_where_sign_updates_collapse(tmp_path):
@@ -122,7 +118,7 @@ def test_default_moe_keeps_its_balance_where_sign_updates_collapse(tmp_path):
 def test_forge_plot_draws_the_expert_loads(tmp_path):
     import matplotlib.image
 
-    from forge.metrics.plot import expert_load_extremes, plot_runs
+    from forge.metrics.plot import plot_runs
 
     record = {"step": 3, "loss": 5.0, "moe/0/load_max": 1.5, "moe/1/load_max": 3.5, "moe/0/load_min": 0.2}
     record["moe/1/load_min"] = 0.0
