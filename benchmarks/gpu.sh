@@ -3,7 +3,8 @@
 #   1. a ~1B dense Llama (conf/model/llama3_1b.yaml), bf16 + per-block torch.compile; the layout search's
 #      predicted step time for it beside the measured one (benchmarks/search/predict_one_gpu.py)
 #   2. (run last) the same with float8 linear layers (parallel.fp8=true, needs torchao; skipped without it)
-#   3. a small DeepSeek-V3-style MoE (conf/model/deepseek_v3_small.yaml), bf16, eager; before it, the default
+#   3. a small DeepSeek-V3-style MoE (conf/model/deepseek_v3_small.yaml), bf16, eager, then benchmarks/moe/speed.py
+#      (MoE against its dense twin, with the step's profile); before them, the default
 #      model compiled by blocks and as one graph (parallel.compile_scope), each without and with CUDA graphs
 #      (parallel.cuda_graphs), and the suite's GPU-only tests
 #   4. (CHUNKED=1) row 1 with loss=chunked_cross_entropy: the 128k-vocab logits never held at once
@@ -23,7 +24,7 @@
 # and one is skipped when less than RUN_TIMEOUT/2 is left), CHUNKED (0), VS_HF_SHAPES (dim:layers:seq:batch ...,
 # "256:4:2048:16 1024:4:2048:8"; empty: that table is skipped), SKIP (names of steps not to run, e.g.
 # "dense_bf16_compile rowwise_ce": host_syncs, dense_bf16_compile (and its prediction), vs_transformers,
-# rowwise_ce, small_compile, small_cuda_graphs, small_compile_model, small_cuda_graphs_model, gpu_tests, moe_bf16,
+# rowwise_ce, small_compile, small_cuda_graphs, small_compile_model, small_cuda_graphs_model, gpu_tests, moe_bf16, moe_speed,
 # dense_fp8_compile: for a device budget that leaves time for part of the script; the multi-GPU checks run
 # wherever there are 2 GPUs).
 # Each run logs every 10 steps to <run dir>/metrics.jsonl; the table averages the records after the first (the
@@ -200,6 +201,8 @@ bounded gpu_tests 300 '(passed|failed|error)' -m pytest -q -p no:cacheprovider t
 run small_compile_model "${SMALL[@]}" parallel.compile_scope=model || failed=1
 run small_cuda_graphs_model "${SMALL[@]}" parallel.compile_scope=model parallel.cuda_graphs=true || failed=1
 run moe_bf16 model=deepseek_v3_small || failed=1
+# MoE against its dense twin (same active FLOPs), grouped GEMMs against the per-expert loop, and the step's profile.
+bounded moe_speed 300 '^(\||[0-9]\. |CPU flags)' benchmarks/moe/speed.py --device cuda --skip-ep --rounds 2 || failed=1
 if [ "$DRY_RUN" = 1 ] || "$PY" -c "import torchao" 2>/dev/null; then
     run dense_fp8_compile "${DENSE[@]}" parallel.fp8=true || failed=1
 else

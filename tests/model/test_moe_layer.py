@@ -24,15 +24,27 @@ def swiglu(x, w1, w2, w3):
     return (F.silu(x @ w1) * (x @ w3)) @ w2
 
 
-def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """Token by token: sum over the chosen experts of weight * expert(token), plus the shared experts."""
+def reference(moe: MoE, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    """Token by token: sum over the chosen experts of weight * expert(token), plus the shared experts. With a
+    capacity, each expert serves only its `capacity` highest-weight assignments (ties: the earlier token)."""
     tokens = x.reshape(-1, DIM)
     routing = moe.router(tokens)
     ex = moe.experts
+    served = set()
+    for e in range(moe.args.num_experts):
+        claims = [
+            (-routing.weights[t, slot].item(), t, slot)
+            for t in range(tokens.shape[0])
+            for slot in range(moe.args.top_k)
+            if routing.experts[t, slot].item() == e
+        ]
+        served.update((t, slot) for _, t, slot in sorted(claims)[:capacity])
     rows = []
     for t in range(tokens.shape[0]):
         row = torch.zeros(DIM)
-        for e, w in zip(routing.experts[t].tolist(), routing.weights[t]):
+        for slot, (e, w) in enumerate(zip(routing.experts[t].tolist(), routing.weights[t])):
+            if (t, slot) not in served:
+                continue
             row = row + w * swiglu(tokens[t], ex.w1[e], ex.w2[e], ex.w3[e])
         if moe.shared_experts is not None:
             row = row + moe.shared_experts(tokens[t])
@@ -46,6 +58,70 @@ def test_matches_per_token_reference(router, shared):
     moe = make_moe(router=router, num_shared_experts=shared)
     x = torch.randn(2, 5, DIM)
     torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.75], ids=["dropless", "capacity"])
+def test_outputs_and_gradients_match_the_per_token_reference(grouped, capacity_factor):
+    """The one-permutation dispatch (grouped GEMMs, dropped rows riding with the last expert and masked) against
+    the token-by-token reference: outputs, the input's gradient and every weight's."""
+    moe = make_moe(capacity_factor=capacity_factor, grouped_mm=grouped)
+    x = torch.randn(2, 12, DIM)
+    grad = torch.randn(2, 12, DIM)
+    capacity = 9 if capacity_factor else None  # ceil(0.75 * 24 * 2 / 4)
+    results = []
+    for forward in (moe, lambda inputs: reference(moe, inputs, capacity)):
+        moe.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = forward(xi)
+        out.backward(grad)
+        results.append([out.detach(), xi.grad] + [p.grad.clone() for p in moe.parameters()])
+    if capacity_factor:
+        assert moe.last_kept.sum() < moe.last_routed.sum()  # some assignments were dropped
+    for ours, expected in zip(*results):
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_default_path_runs_on_the_meta_device():
+    """Grouped GEMMs, the capacity limit and balanced selection keep every shape static, so a forward and backward
+    run on the meta device, where reading a value on the host (.tolist(), a boolean mask, bincount) fails."""
+    for overrides in ({"balanced_selection": True}, {"capacity_factor": 1.0, "router": "sigmoid_topk"}):
+        with torch.device("meta"):
+            moe = make_meta_moe(**overrides)
+            x = torch.randn(2, 8, DIM, dtype=torch.bfloat16, requires_grad=True)
+        (moe(x).sum() + moe.last_aux_loss).backward()
+        assert moe.experts.w1.grad.shape == moe.experts.w1.shape
+        padded = moe.experts.forward_grouped(x.view(16, DIM), torch.tensor([5, 0, 7, 4], device="meta"), align=8)
+        assert padded.shape == (16, DIM)
+    with torch.device("meta"):
+        loop = make_meta_moe(grouped_mm=False)
+    with pytest.raises((NotImplementedError, RuntimeError)):  # the loop reads the counts on the host
+        loop(torch.randn(2, 8, DIM, dtype=torch.bfloat16, device="meta"))
+
+
+def make_meta_moe(**overrides) -> MoE:
+    return MoE(DIM, HIDDEN, MoEArgs(**{"num_experts": 4, "top_k": 2, **overrides})).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("align", [3, 8])
+def test_groups_padded_for_a_kernel_give_the_unpadded_result(align):
+    """CUDA's grouped GEMM needs each group padded to 16 bytes of rows; on a CPU the padded path is forced and
+    must give the unpadded outputs and gradients, dropped rows (past counts.sum()) included."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(DIM, HIDDEN, 4)
+    experts.init_weights(0.2, 0.2)
+    counts = torch.tensor([5, 0, 7, 2])  # 14 kept, 2 dropped rows ride with the last expert
+    x = torch.randn(16, DIM)
+    grad = torch.randn(16, DIM)
+    results = []
+    for pad in (1, align):
+        experts.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = experts.forward_grouped(xi, counts, align=pad)
+        out.backward(grad)
+        results.append([out.detach(), xi.grad] + [p.grad.clone() for p in experts.parameters()])
+    for padded, plain in zip(*results):
+        torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-6)
 
 
 def test_one_expert_top1_equals_dense_swiglu():
@@ -99,7 +175,7 @@ def test_grouped_mm_equals_loop(dtype):
     experts = GroupedExperts(DIM, HIDDEN, 4)
     experts.init_weights(0.2, 0.2)
     experts = experts.to(dtype)
-    counts = torch.tensor([5, 0, 7, 4])
+    counts = torch.tensor([5, 0, 7, 2])  # the last 2 rows (dropped) ride with the last expert on both paths
     x = torch.randn(16, DIM, dtype=dtype)
     grad = torch.randn(16, DIM, dtype=dtype)
     results = []

@@ -70,11 +70,11 @@ def loss_of(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + router_losses(model)
 
 
-def ep_matches_single_process(rank: int, moe: dict) -> dict:
+def ep_matches_single_process(rank: int, moe: dict, chunks: int) -> dict:
     torch.manual_seed(0)
     data = torch.randint(0, VOCAB, (WORLD, 4, 17))
     full = build_transformer(tiny_args(**moe), seed=1)
-    sharded = apply_expert_parallel(copy.deepcopy(full), dist.group.WORLD)
+    sharded = apply_expert_parallel(copy.deepcopy(full), dist.group.WORLD, chunks)
 
     # Reference: one process, each rank's half on its own (the router losses are per micro-batch), summed.
     ref_losses = [loss_of(full, data[r]) for r in range(WORLD)]
@@ -101,15 +101,17 @@ def ep_matches_single_process(rank: int, moe: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    "moe",
+    "moe, chunks",
     [
-        {"router": "softmax_topk"},
-        {"router": "sigmoid_topk", "capacity_factor": 1.0},
+        ({"router": "softmax_topk"}, 1),
+        ({"router": "softmax_topk", "grouped_mm": False}, 2),
+        ({"router": "sigmoid_topk", "capacity_factor": 1.0}, 3),
     ],
-    ids=["softmax-dropless", "sigmoid-capacity"],
+    ids=["softmax-dropless", "loop-two-parts", "sigmoid-capacity-three-parts"],
 )
-def test_ep2_matches_single_process_loss_and_grads(moe):
-    results = run_ranks(ep_matches_single_process, moe)
+def test_ep2_matches_single_process_loss_and_grads(moe, chunks):
+    """The all-to-all dispatch, whole or in overlapped parts, gives one process's loss and gradients."""
+    results = run_ranks(ep_matches_single_process, moe, chunks)
     assert all(r["checked"] > 10 for r in results)
     assert results[0]["loss"] != results[1]["loss"]  # different data per rank
 

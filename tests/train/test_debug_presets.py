@@ -27,11 +27,12 @@ def last_loss(run_dir: Path) -> float:
 
 
 def test_overfit_drives_one_batchs_loss_towards_zero(tmp_path):
-    done = forge_train("debug=overfit", "train.log_every=20", run_dir=tmp_path / "one")
+    batch = ("train.global_batch_size=4", "train.micro_batch_size=4")  # the preset at any batch; a small one is quick
+    done = forge_train("debug=overfit", "train.log_every=20", *batch, run_dir=tmp_path / "one")
     assert done.returncode == 0, done.stderr[-2000:]
     assert last_loss(tmp_path / "one") < 0.5
     # the control: on the data as it comes, a third of those steps (as far as the threshold needs) stays far above it
-    control = forge_train("debug=overfit", "train.overfit_batches=0", "train.steps=20", "train.log_every=20",
+    control = forge_train("debug=overfit", "train.overfit_batches=0", "train.steps=20", "train.log_every=20", *batch,
                           run_dir=tmp_path / "all")  # fmt: skip
     assert control.returncode == 0, control.stderr[-2000:]
     assert last_loss(tmp_path / "all") > 3.0

@@ -92,6 +92,9 @@ class ParallelConfig:
     interleaved_zb, zbv and dualpipev)."""
     ep: int = domain(1, ge=1)
     """Expert-parallel degree (MoE models only); experts must divide evenly."""
+    ep_chunks: int = domain(1, ge=1)
+    """Parts each MoE layer's tokens travel in under expert parallelism: part i + 1's all-to-all runs while part
+    i's experts compute (and part i's outputs travel back during part i + 1's); 1 sends them all at once."""
     pp_schedule: PPSchedule = PPSchedule["1f1b"]
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (two looped stages per rank), or the zero-bubble ones, whose
     weight gradients fill the bubble: interleaved_zb (looped), zbv and dualpipev (two stages per rank in a V: rank r

@@ -32,31 +32,70 @@ from forge.parallel.mesh import token_mesh
 
 
 class ExpertParallelDispatch:
-    """MoE `dispatch` that runs the experts on their owning ranks of `group`."""
+    """MoE `dispatch` that runs the experts on their owning ranks of `group`.
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+    With `chunks` > 1 each expert's rows are split into that many parts, and every part travels on its own: all
+    parts' all-to-alls are issued at once (asynchronous functional collectives), so part i + 1 is on the wire
+    while part i's experts compute, and part i's outputs travel back while part i + 1's compute.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, chunks: int = 1):
         self.group = group
         self.ep = dist.get_world_size(group)
         self.num_local = num_experts // self.ep
+        self.chunks = chunks
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: ExpertCompute) -> torch.Tensor:
-        """x (N, dim) grouped by global expert, counts (num_experts,) -> expert outputs in the order of x."""
-        # recv[r, e]: tokens rank r sends to my local expert e.
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.group)
-        recv = recv.view(self.ep, self.num_local)
-        send_splits = counts.view(self.ep, self.num_local).sum(dim=1).tolist()
-        recv_splits = recv.sum(dim=1).tolist()
-        received = funcol.all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
-        local_ids = torch.arange(self.num_local, device=x.device).repeat(self.ep)
-        by_expert = torch.argsort(local_ids.repeat_interleave(recv.flatten()), stable=True)
+        """x (M, dim) grouped by global expert, counts (num_experts,) kept rows per expert (rows past their sum
+        are dropped assignments: they stay here, with zero outputs) -> expert outputs in the order of x."""
+        ep, local, chunks = self.ep, self.num_local, self.chunks
+        # sizes[c, e]: expert e's rows in part c, each expert's rows split in order and as evenly as they go.
+        bounds = counts * torch.arange(chunks + 1, device=counts.device).unsqueeze(1) // chunks
+        sizes = bounds.diff(dim=0)
+        send = sizes.view(chunks, ep, local).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)  # recv[r, c, e]: rows rank r sends in part c to my local expert e
+        dist.all_to_all_single(recv, send, group=self.group)
+        send_splits, recv_splits = torch.stack([send.sum(-1), recv.sum(-1)]).tolist()  # the layer's one host sync
+        kept = sum(map(sum, send_splits))
+        order = self.part_order(counts, kept) if chunks > 1 else None
+        outgoing = x[:kept] if order is None else x[:kept][order]
+
+        part_sizes = [sum(row[c] for row in send_splits) for c in range(chunks)]
+        parts_out = [[row[c] for row in send_splits] for c in range(chunks)]
+        parts_in = [[row[c] for row in recv_splits] for c in range(chunks)]
+        received = [
+            funcol.all_to_all_single_autograd(part, parts_in[c], parts_out[c], self.group)
+            for c, part in enumerate(outgoing.split(part_sizes))
+        ]
+        returned = []
+        for c, part in enumerate(received):
+            out = self.run_local(part, recv[:, c], experts)
+            returned.append(funcol.all_to_all_single_autograd(out, parts_out[c], parts_in[c], self.group))
+        out = torch.cat(returned) if chunks > 1 else returned[0]
+        if order is not None:
+            out = torch.empty_like(out).index_copy(0, order, out)
+        dropped = x.shape[0] - kept
+        return torch.cat([out, out.new_zeros(dropped, out.shape[-1])]) if dropped else out
+
+    def part_order(self, counts: torch.Tensor, kept: int) -> torch.Tensor:
+        """The permutation of the kept rows (grouped by expert) that puts them part by part, each part still grouped
+        by expert: row p of an expert with n rows belongs to part floor(((p + 1) * chunks - 1) / n)."""
+        experts = torch.arange(counts.numel(), device=counts.device)
+        expert = torch.repeat_interleave(experts, counts, output_size=kept)
+        position = torch.arange(kept, device=counts.device) - (counts.cumsum(0) - counts)[expert]
+        part = ((position + 1) * self.chunks - 1) // counts[expert]
+        return torch.argsort(part, stable=True)
+
+    def run_local(self, received: torch.Tensor, recv: torch.Tensor, experts: ExpertCompute) -> torch.Tensor:
+        """Rows from every rank, (source rank, local expert) order -> this rank's experts' outputs, same order."""
+        local_ids = torch.arange(self.num_local, device=received.device).repeat(self.ep)
+        owner = local_ids.repeat_interleave(recv.flatten(), output_size=received.shape[0])
+        by_expert = torch.argsort(owner, stable=True)
         out = experts(received[by_expert], recv.sum(dim=0), local_part)
-        back = torch.empty_like(by_expert)
-        back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
-        return funcol.all_to_all_single_autograd(out[back], send_splits, recv_splits, self.group)
+        return torch.empty_like(out).index_copy(0, by_expert, out)
 
 
-def apply_expert_parallel(model: nn.Module, ep: dist.ProcessGroup | DeviceMesh) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, ep: dist.ProcessGroup | DeviceMesh, chunks: int = 1) -> nn.Module:
     """Shard every MoE layer's experts over `ep` (a process group or a 1-D mesh) and install the dispatch.
 
     Works on the meta device (before `to_empty` + `init_weights`, which then initialises each rank's slice exactly
@@ -71,7 +110,7 @@ def apply_expert_parallel(model: nn.Module, ep: dist.ProcessGroup | DeviceMesh) 
             raise ValueError(f"model.moe.num_experts={num_experts} is not divisible by the ep degree {size}")
         local = num_experts // size
         layer.experts.keep_slice(rank * local, local)
-        layer.dispatch = ExpertParallelDispatch(group, num_experts)
+        layer.dispatch = ExpertParallelDispatch(group, num_experts, chunks)
     return model
 
 
@@ -80,9 +119,9 @@ def local_part(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> int:
+def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None, chunks: int = 1) -> int:
     """Make every MoE layer's w1/w2/w3 a DTensor sharded on the expert dimension over the 1-D `ep_mesh` and
-    install the all-to-all dispatch; returns the number of MoE layers.
+    install the all-to-all dispatch (in `chunks` overlapped parts); returns the number of MoE layers.
 
     Rank r of the mesh keeps experts [r * E / ep, (r + 1) * E / ep). On the meta device only shapes change; the
     values come later from the plan's initialisation (`forge.parallel.init`), which splits the whole model's.
@@ -112,7 +151,7 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh 
             )
             setattr(experts, name, nn.Parameter(sharded))
         experts.first, experts.num_local = rank * local, local
-        layer.dispatch = ExpertParallelDispatch(ep_mesh.get_group(), num_experts)
+        layer.dispatch = ExpertParallelDispatch(ep_mesh.get_group(), num_experts, chunks)
     return len(layers)
 
 

@@ -64,7 +64,7 @@ def parallelize(
         applied.append(apply_context_parallel(model, mesh["cp"]))
         applied.append(apply_sequence_router_counts(model, mesh["cp"]))
     if degrees.ep > 1:
-        applied.append(apply_expert_parallel(model, mesh, degrees))
+        applied.append(apply_expert_parallel(model, mesh, degrees, parallel_cfg.ep_chunks))
     applied.append(apply_global_router_loads(model, mesh))
     if parallel_cfg.fp8 and not float8_first:
         applied.append(apply_float8(model, degrees))
@@ -79,17 +79,17 @@ def parallelize(
     return [step for step in applied if step is not None]
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, degrees: Degrees) -> Applied:
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, degrees: Degrees, chunks: int = 1) -> Applied:
     """Split every MoE layer's experts over the `ep` mesh dimension (borrowed from dp_shard, as in torchtitan),
-    tokens moving to their experts and back by all-to-all. Router, attention and shared experts stay dense (under
-    tp, split as without ep; the routed experts' widths stay split over tp too)."""
-    layers = shard_experts(model, mesh["ep"], mesh["ep", "tp"] if degrees.tp > 1 else None)
+    tokens moving to their experts and back by all-to-all in `chunks` overlapped parts. Router, attention and shared
+    experts stay dense (under tp, split as without ep; the routed experts' widths stay split over tp too)."""
+    layers = shard_experts(model, mesh["ep"], mesh["ep", "tp"] if degrees.tp > 1 else None, chunks)
     if not layers:
         raise ValueError(f"parallel.ep={degrees.ep} but the model has no MoE layer")
     num_experts = moe_layers(model)[0][1].args.num_experts
     detail = (
         f"expert parallel over {degrees.ep} ranks (ep borrows from dp_shard={degrees.dp_shard}): {layers} MoE "
-        f"layers, {num_experts // degrees.ep} of {num_experts} experts per rank"
+        f"layers, {num_experts // degrees.ep} of {num_experts} experts per rank, tokens in {chunks} overlapped parts"
     )
     return logged(Applied("ep", detail, {"ep": degrees.ep}))
 

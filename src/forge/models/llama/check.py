@@ -135,16 +135,11 @@ def validate_mla(model: DictConfig) -> None:
 
 def validate_moe_tensor_parallel(model: DictConfig, tp: int) -> None:
     """Under tensor parallelism each expert's hidden width is split over the tp ranks (forge.parallel
-    .expert_tensor): it must split evenly, and the grouped GEMMs' bf16 strides need a multiple of 8 per rank."""
+    .expert_tensor): it must split evenly (a part the grouped GEMMs' strides do not fit runs one expert at a time)."""
     args = plain_args(model)
     width = args.moe.expert_ffn_dim or args.hidden_dim
     require(
         width % tp == 0,
         f"the experts' hidden width {width} (model.moe.expert_ffn_dim, or the dense one) is not divisible by "
         f"parallel.tp={tp}: each tp rank holds an equal part of it",
-    )
-    require(
-        not args.moe.grouped_mm or (width // tp) % 8 == 0,
-        f"model.moe.grouped_mm=true with parallel.tp={tp} leaves each rank {width // tp} of each expert's hidden "
-        "width: grouped GEMMs need a multiple of 8 (or model.moe.grouped_mm=false)",
     )

@@ -74,9 +74,10 @@ class MoEArgs:
     (DeepSeek-V3's per-sequence loss, averaged over the sequences) or global_batch (the expert loads of the
     micro-batches all data-parallel ranks run at once are summed, so the ranks' mean loss equals one process's
     over all their tokens; without gradient accumulation that is the whole global batch)."""
-    grouped_mm: bool = False
-    """Run the experts as grouped GEMMs (torch._grouped_mm; bf16 needs dim and expert size multiples of 8) instead
-    of one matmul chain per expert."""
+    grouped_mm: bool = True
+    """Run the experts as grouped GEMMs (torch._grouped_mm), with no host sync; false, or a build without them, or
+    widths their 16-byte strides do not fit (bf16: dim and expert width multiples of 8) run one matmul chain per
+    expert, which reads the counts on the host."""
 
     def __post_init__(self) -> None:
         self.router, self.aux_loss_scope = str(self.router), str(self.aux_loss_scope)  # plain, as TransformerArgs'

@@ -17,16 +17,29 @@ import torch
 
 @dataclass
 class Assignments:
-    """Kept (token, expert) pairs in expert order."""
+    """All T * k (token, expert) pairs: the N kept ones first, in expert order, then the dropped ones."""
 
     tokens: torch.Tensor
-    """(N,) index of the token of each kept assignment."""
+    """(T * k,) index of the token of each assignment."""
     weights: torch.Tensor
-    """(N,) its combine weight."""
+    """(T * k,) its combine weight (0 for a dropped assignment)."""
     counts: torch.Tensor
     """(E,) int64 kept assignments per expert (N = counts.sum())."""
     routed: torch.Tensor
     """(E,) int64 assignments per expert before the capacity limit."""
+    order: torch.Tensor
+    """(T * k,) the flat index token * k + slot of each row: the permutation to expert order."""
+    slots: torch.Tensor
+    """(T * k,) the row of each (token, slot) pair, in flat order: the permutation back (order's inverse)."""
+    kept: torch.Tensor | None = None
+    """(T * k,) bool, True for the first N rows; None when nothing can be dropped (no capacity limit)."""
+
+
+def count_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) int64 number of entries of `experts` naming each expert. A scatter, not bincount, which on CUDA reads
+    the largest id on the host first."""
+    flat = experts.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -37,10 +50,10 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 
 
 def assign(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity_factor: float) -> Assignments:
-    """experts, weights (T, k) -> kept assignments grouped by expert (see the module docstring for drops)."""
+    """experts, weights (T, k) -> assignments grouped by expert, kept before dropped (see the module docstring)."""
     num_tokens, top_k = experts.shape
     flat_experts, flat_weights = experts.flatten(), weights.flatten()
-    routed = torch.bincount(flat_experts, minlength=num_experts)
+    routed = count_per_expert(flat_experts, num_experts)
     if capacity_factor <= 0:
         order = torch.argsort(flat_experts, stable=True)
         counts = routed
@@ -52,9 +65,39 @@ def assign(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capac
         sorted_experts = flat_experts[order]
         position = torch.arange(order.numel(), device=order.device) - starts[sorted_experts]
         capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
-        order = order[position < capacity]
+        # The kept rows keep their expert order; the dropped ones move behind them (a stable sort on one bit).
+        dropped_last = torch.argsort((position >= capacity).to(torch.uint8), stable=True)
+        order = order[dropped_last]
         counts = routed.clamp(max=capacity)
-    return Assignments(tokens=order // top_k, weights=flat_weights[order], counts=counts, routed=routed)
+        kept = torch.arange(order.numel(), device=order.device) < counts.sum()
+        weights = flat_weights[order] * kept
+        return Assignments(order // top_k, weights, counts, routed, order, inverse(order), kept)
+    return Assignments(order // top_k, flat_weights[order], counts, routed, order, inverse(order))
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[order] whose backward is the gather grad[inverse], not index_select's scatter-add (order is a permutation)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """The rows of x in `order`, `inverse` being its inverse permutation."""
+    return _PermuteRows.apply(x, order, inverse)
+
+
+def inverse(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `order` (a scatter: no sort)."""
+    rows = torch.arange(order.numel(), device=order.device)
+    return torch.empty_like(order).scatter_(0, order, rows)
 
 
 class ExpertCompute(Protocol):
@@ -62,7 +105,9 @@ class ExpertCompute(Protocol):
 
 
 Dispatch = Callable[[torch.Tensor, torch.Tensor, ExpertCompute], torch.Tensor]
-"""(x grouped by global expert, counts per global expert, local experts) -> expert outputs in the same order."""
+"""(x grouped by global expert, kept counts per global expert, local experts) -> expert outputs in the same order.
+
+x may hold more rows than counts.sum(): the dropped assignments, whose outputs the layer weighs by 0."""
 
 
 def local_dispatch(x: torch.Tensor, counts: torch.Tensor, experts: ExpertCompute) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Routed experts as stacked 3-D weights, so expert parallelism can keep a slice of the leading dimension.
 
 Layout matches `torch._grouped_mm(x, w)` (x @ w): w1 and w3 are (experts, dim, hidden), w2 is (experts, hidden, dim).
-Tokens arrive grouped by expert: rows [0, counts[0]) go to the first local expert, and so on.
+Tokens arrive grouped by expert: rows [0, counts[0]) go to the first local expert, and so on. Rows past counts.sum()
+(assignments a capacity limit dropped) ride with the last expert, so every shape stays static and nothing waits on
+the device; the layer weighs their outputs by 0, which also gives them a zero gradient.
 """
 
 from collections.abc import Callable
@@ -21,10 +23,50 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
+def grouped_mm_fits(device: torch.device, dtype: torch.dtype, *widths: int) -> bool:
+    """The grouped GEMM kernels run this case: bf16 off the CPU and under torch.compile, whose shape rules are
+    CUDA's (the CPU kernel takes any float), and 16-byte row strides, each width a multiple of 16 bytes' worth of
+    elements."""
+    if dtype != torch.bfloat16 and (device.type != "cpu" or torch.compiler.is_compiling()):
+        return False
+    per_row = max(16 // torch.empty(0, dtype=dtype).element_size(), 1)
+    return all(width % per_row == 0 for width in widths)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the GEMMs run in: autocast's where it is on for x's device, else x's."""
+    kind = x.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def group_alignment(x: torch.Tensor) -> int:
+    """Rows per expert group the grouped GEMM needs: 1 on a CPU; on CUDA 16 bytes' worth (8 rows in bf16), because
+    the weight gradient's grouped GEMM runs along the token dimension."""
+    return max(16 // x.element_size(), 1) if x.is_cuda else 1
+
+
+def group_sizes(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """Rows per group, the last group also taking the rows past counts.sum() (dropped assignments)."""
+    extra = rows - counts.sum()
+    return counts + F.pad(extra.view(1), (counts.numel() - 1, 0))
+
+
+def padded_positions(sizes: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's place when every group is padded to a multiple of `align` rows (at least `align`), and the padded
+    groups' end offsets. All on the device: the padded buffer has the static size rows + groups * align."""
+    padded = ((sizes + align - 1) // align * align).clamp(min=align)
+    starts, padded_starts = sizes.cumsum(0) - sizes, padded.cumsum(0) - padded
+    group = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes, output_size=rows)
+    position = torch.arange(rows, device=sizes.device) - starts[group] + padded_starts[group]
+    return position, padded.cumsum(0)
+
+
 class GroupedExperts(nn.Module):
     """`num_local` SwiGLU experts out of `num_experts`, starting at global id `first`."""
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, use_grouped_mm: bool = False):
+    def __init__(self, dim: int, hidden: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
         self.num_experts, self.first, self.num_local = num_experts, 0, num_experts
         self.use_grouped_mm = use_grouped_mm and grouped_mm_available()
@@ -42,34 +84,41 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, view: WeightView | None = None) -> torch.Tensor:
         """x (N, dim) grouped by local expert, counts (num_local,) int64 -> (N, dim).
 
-        `view` is applied to w1, w2 and w3 inside forward (after any wrapper's pre-forward hook gathered them):
-        expert parallelism passes one that returns the local part of its sharded parameters.
+        Grouped GEMMs where the build has them and the widths fit their strides; otherwise one matmul chain per
+        expert. `view` is applied to w1, w2 and w3 inside forward (after any wrapper's pre-forward hook gathered
+        them): expert parallelism passes one that returns the local part of its sharded parameters.
         """
         weights = (view(self.w1), view(self.w2), view(self.w3)) if view is not None else None
-        if self.use_grouped_mm:
+        w1 = weights[0] if weights is not None else self.w1
+        if self.use_grouped_mm and grouped_mm_fits(x.device, compute_dtype(x), *w1.shape[-2:]):
             return self.forward_grouped(x, counts, weights)
         return self.forward_loop(x, counts, weights)
 
     def forward_loop(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
-        """One matmul chain per expert: the reference path (any dtype, any device); weights: (w1, w2, w3)."""
+        """One matmul chain per expert: the reference path (any dtype, any device, any width; reads the counts on
+        the host); weights: (w1, w2, w3)."""
         w1, w2, w3 = weights or (self.w1, self.w2, self.w3)
         outs = []
-        for e, chunk in enumerate(x.split(counts.tolist())):
+        for e, chunk in enumerate(x.split(group_sizes(counts, x.shape[0]).tolist())):
             h = F.silu(chunk @ w1[e]) * (chunk @ w3[e])
             outs.append(h @ w2[e])
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
-    def forward_grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
-        """All experts in three grouped GEMMs. bf16 needs dim and hidden to be multiples of 8 (16-byte strides)."""
+    def forward_grouped(
+        self, x: torch.Tensor, counts: torch.Tensor, weights: tuple | None = None, align: int | None = None
+    ) -> torch.Tensor:
+        """All experts in three grouped GEMMs, without a host sync. Groups are padded to `align` rows only where the
+        kernel needs it (`group_alignment`: on CUDA); the padded buffer's size is static."""
         w1, w2, w3 = weights or (self.w1, self.w2, self.w3)
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
-        else:
-            w1, w2, w3 = w1.to(x.dtype), w2.to(x.dtype), w3.to(x.dtype)
-        offs = counts.cumsum(0).to(torch.int32)
-        h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
-        return torch._grouped_mm(h, w2, offs=offs)
+        dtype = compute_dtype(x)
+        x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
+        rows, sizes = x.shape[0], group_sizes(counts, x.shape[0])
+        align = group_alignment(x) if align is None else align
+        if align == 1:
+            return grouped_swiglu(x, sizes.cumsum(0).to(torch.int32), w1, w2, w3)
+        position, ends = padded_positions(sizes, rows, align)
+        padded = x.new_zeros(rows + sizes.numel() * align, x.shape[-1]).index_copy(0, position, x)
+        return grouped_swiglu(padded, ends.to(torch.int32), w1, w2, w3)[position]
 
     def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
         return {"w1": trunc_normal(std), "w3": trunc_normal(std), "w2": trunc_normal(out_std)}
@@ -86,3 +135,11 @@ class GroupedExperts(nn.Module):
                 if 0 <= local < self.num_local:
                     with torch.no_grad():
                         param[local].copy_(scratch)
+
+
+def grouped_swiglu(
+    x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU of each row group [offs[g-1], offs[g]) with expert g's weights."""
+    h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+    return torch._grouped_mm(h, w2, offs=offs)

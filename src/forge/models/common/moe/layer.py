@@ -8,8 +8,8 @@ from torch import nn
 from forge.models.common.feed_forward import FeedForward
 from forge.models.common.init_spec import InitSpec, prefixed
 from forge.models.common.moe.args import AuxLossScope, MoEArgs
-from forge.models.common.moe.dispatch import Dispatch, assign, local_dispatch
-from forge.models.common.moe.experts import GroupedExperts
+from forge.models.common.moe.dispatch import Dispatch, assign, count_per_expert, local_dispatch, permute_rows
+from forge.models.common.moe.experts import GroupedExperts, compute_dtype
 from forge.models.common.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
 from forge.models.common.moe.router import Router
 
@@ -57,9 +57,12 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         args = self.args
         kept = assign(routing.experts, routing.weights, args.num_experts, args.capacity_factor)
-        expert_out = self.dispatch(tokens[kept.tokens], kept.counts, self.experts)
-        weighted = (expert_out.float() * kept.weights.unsqueeze(-1)).to(x.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, kept.tokens, weighted)
+        # One permutation to expert order (cast first: the gathered rows are k times the tokens) and one back.
+        inputs = tokens.to(compute_dtype(tokens)).index_select(0, kept.tokens)
+        expert_out = self.dispatch(inputs, kept.counts, self.experts)
+        per_slot = permute_rows(expert_out, kept.slots, kept.order).float().view(-1, args.top_k, shape[-1])
+        weights = kept.weights.index_select(0, kept.slots).float().view(-1, 1, args.top_k)  # 0 where dropped
+        out = torch.bmm(weights, per_slot).view(-1, shape[-1]).to(x.dtype)  # each token's weighted sum, in fp32
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
 
@@ -67,10 +70,10 @@ class MoE(nn.Module):
         if args.aux_loss_scope == "sequence" and len(shape) == 3:
             aux = sequence_balancing_loss(routing.probs, routing.experts, args.num_experts, shape[0], spread)
         elif args.aux_loss_scope == "global_batch" and self.training and self.sum_load is not None:
-            counts = self.sum_load(torch.bincount(routing.experts.flatten(), minlength=args.num_experts))
+            counts = self.sum_load(count_per_expert(routing.experts, args.num_experts))
             aux = load_balancing_loss(routing.probs, routing.experts, args.num_experts, counts)
         else:
-            counts = torch.bincount(routing.experts.flatten(), minlength=args.num_experts)
+            counts = count_per_expert(routing.experts, args.num_experts)
             counts = spread(counts) if spread is not None else counts
             aux = load_balancing_loss(routing.probs, routing.experts, args.num_experts, counts)
         self.last_aux_loss = aux

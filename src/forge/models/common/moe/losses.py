@@ -4,6 +4,8 @@ from collections.abc import Callable
 
 import torch
 
+from forge.models.common.moe.dispatch import count_per_expert
+
 
 def load_balancing_loss(
     probs: torch.Tensor, experts: torch.Tensor, num_experts: int, counts: torch.Tensor | None = None
@@ -17,7 +19,7 @@ def load_balancing_loss(
     global-batch loss, whose mean over ranks equals the loss of all their tokens in one process.
     """
     if counts is None:
-        counts = torch.bincount(experts.flatten(), minlength=num_experts)
+        counts = count_per_expert(experts, num_experts)
     counts = counts.to(probs.dtype)
     fraction = counts / counts.sum().clamp(min=1)
     return num_experts * (fraction * probs.mean(dim=0)).sum()
