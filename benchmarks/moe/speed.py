@@ -1,9 +1,11 @@
 """MoE training speed against its dense twin, where the MoE step's time goes, and expert parallelism with and
 without overlapped all-to-alls: side by side in one run (ratios; these machines are shared and noisy).
 
-    .venv/bin/python benchmarks/moe/speed.py [--rounds 3 --steps 3 --dtype auto --ep-steps 12] [--skip-ep]
+    .venv/bin/python benchmarks/moe/speed.py [--rounds 3 --steps 3 --accum 4 --seq 256 --batch 8 --dtype auto
+                                              --ep-steps 12] [--skip-ep | --profile-only]
 
-1. One process. Each MoE (4 layers, dim 512, seq 256 x batch 8, vocab 8192) beside its dense twin, a SwiGLU of
+1. One process. Each MoE (4 layers, dim 512, vocab 8192; a step of 4 micro-batches of 8 x 256 tokens, as a run
+   with gradient accumulation, so that per-parameter costs weigh as in training) beside its dense twin, a SwiGLU of
    hidden top_k x expert width, so the two have the same active FLOPs per token (the MoE adds its router's
    dim x experts). 8 experts top-2 (width 1024, softmax router) and 64 experts top-6 (width 256, sigmoid router),
    both with balanced selection, each MoE with the grouped-GEMM dispatch (the default) and the one-chain-per-expert
@@ -11,7 +13,7 @@ without overlapped all-to-alls: side by side in one run (ratios; these machines 
    trainer's. The configurations alternate for --rounds rounds; each cell is the median. MFU uses
    forge.planning.flops' count (the trainer's) against the best square-matmul rate measured in the same run; the
    column that matters is "MFU / twin's", which the peak cancels out of.
-2. A profile of the 64-expert step: self time per kind of op (torch.profiler), per step.
+2. A profile of the 64-expert step beside its twin's: self time per kind of op (torch.profiler), per step.
 3. Expert parallelism over 2 gloo ranks (torchrun, one thread each, `model=moe` at dim 512 with 8 experts of width
    1024): `parallel.ep_chunks=1` (the tokens in one all-to-all) against 2 (two parts, the second on the wire while
    the first's experts compute), alternating over --rounds fresh runs; the step time is metrics.jsonl's, the first
@@ -19,6 +21,7 @@ without overlapped all-to-alls: side by side in one run (ratios; these machines 
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -48,8 +51,10 @@ MOES = {  # name: (experts, top_k, expert width, router)
     "8 experts top-2": (8, 2, 1024, "softmax_topk"),
     "64 experts top-6": (64, 6, 256, "sigmoid_topk"),
 }
+WEIGHT_COPIES = "bf16 weight copies"
 OP_KINDS = (  # (kind, substrings of op names), in priority order: an op counts under the first kind that it or
     # any op it runs inside matches (an aten::mm inside torch._grouped_mm's CPU loop is an expert GEMM)
+    ("per parameter: bf16 weight copies, fp32 gradient sums", (WEIGHT_COPIES, "AccumulateGrad")),
     ("expert GEMMs (grouped)", ("grouped_mm", "GroupedMm")),
     ("attention", ("scaled_dot_product", "ScaledDotProduct", "flash_attention")),
     ("optimizer", ("adam", "Optimizer")),
@@ -92,7 +97,9 @@ class Step:
         self.flops = count_flops_per_token(args, SEQ).training
 
     def __call__(self) -> None:
-        with scope(self.weights):  # one bf16 copy of the weights per step, as the trainer's
+        with contextlib.ExitStack() as stack:
+            with torch.profiler.record_function(WEIGHT_COPIES):
+                stack.enter_context(scope(self.weights))  # one bf16 copy of the weights per step, as the trainer's
             for tokens in self.tokens:
                 with autocast(self.device, self.dtype):
                     logits = self.model(tokens[:, :-1])
@@ -140,25 +147,31 @@ def one_process(opts, device: torch.device, dtype: str) -> None:
 
 
 def profile(device: torch.device, dtype: str, accum: int, name: str = "64 experts top-6", steps: int = 2) -> None:
+    """Self time per kind of op, per step, of the MoE and of its twin (torch.profiler)."""
     _, top_k, width, _ = MOES[name]
-    step = Step(model_args(name, top_k * width), device, dtype, accum=accum)
-    step()
-    activities = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
-    )
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        synchronizer(device)()
-    by_kind: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        by_kind[op_kind(event)] += event.self_cpu_time_total / 1e3 / steps
-    total = sum(by_kind.values())
-    print(f"\n2. Where the {name} MoE step's time goes ({dtype}, self CPU time per step, torch.profiler)")
-    print("| kind of op | ms per step | share |")
+    columns = {}
+    for label, moe in (("dense twin", None), ("MoE", name)):
+        step = Step(model_args(moe, top_k * width), device, dtype, accum=accum)
+        step()
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+        )
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            synchronizer(device)()
+        by_kind: dict[str, float] = defaultdict(float)
+        for event in prof.events():
+            by_kind[op_kind(event)] += event.self_cpu_time_total / 1e3 / steps
+        columns[label] = by_kind
+    print(f"\n2. Where the {name} step's time goes ({dtype}, self CPU time per step in ms, torch.profiler)")
+    print("| kind of op | dense twin | MoE |")
     print("|---|---|---|")
-    for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1]):
-        print(f"| {kind} | {ms:,.0f} | {100 * ms / total:.0f}% |")
+    kinds = sorted(columns["MoE"], key=lambda kind: -columns["MoE"][kind])
+    for kind in kinds:
+        print(f"| {kind} | {columns['dense twin'].get(kind, 0.0):,.0f} | {columns['MoE'][kind]:,.0f} |")
+    totals = {label: sum(values.values()) for label, values in columns.items()}
+    print(f"| all | {totals['dense twin']:,.0f} | {totals['MoE']:,.0f} |")
 
 
 def op_kind(event) -> str:

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from forge.models.common.moe import MoE, moe_metrics, router_losses, update_router_biases
+from forge.models.common.moe import layer as layer_module
+from forge.models.common.moe.dispatch import assign, local_dispatch
 from forge.models.common.moe.experts import GroupedExperts, grouped_mm_available
 from forge.models.llama import MoEArgs, TransformerArgs, build_transformer
 from forge.models.llama.transformer import FeedForward
@@ -80,6 +82,32 @@ def test_outputs_and_gradients_match_the_per_token_reference(grouped, capacity_f
         assert moe.last_kept.sum() < moe.last_routed.sum()  # some assignments were dropped
     for ours, expected in zip(*results):
         torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_each_token_sums_its_experts_in_fp32_under_autocast(monkeypatch):
+    """Under bf16 autocast the experts run in bf16 and each token's weighted sum of their outputs stays fp32 (a bf16
+    product there would round the routing weights and the sum, 1e-3 apart)."""
+    moe = make_moe()
+    x = torch.randn(2, 12, DIM)
+    seen = {}
+
+    def recording_assign(*args, **kwargs):
+        seen["kept"] = assign(*args, **kwargs)
+        return seen["kept"]
+
+    def recording_dispatch(rows, counts, experts):
+        seen["out"] = local_dispatch(rows, counts, experts)
+        return seen["out"]
+
+    monkeypatch.setattr(layer_module, "assign", recording_assign)
+    moe.dispatch = recording_dispatch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x).view(-1, DIM)
+    kept, expert_out = seen["kept"], seen["out"]
+    assert expert_out.dtype == torch.bfloat16 and out.dtype == torch.float32
+    per_slot = expert_out.detach().float()[kept.slots].view(-1, 2, DIM)
+    expected = (per_slot * kept.weights.detach()[kept.slots].view(-1, 2, 1)).sum(1)
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_default_path_runs_on_the_meta_device():

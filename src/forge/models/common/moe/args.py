@@ -75,9 +75,10 @@ class MoEArgs:
     micro-batches all data-parallel ranks run at once are summed, so the ranks' mean loss equals one process's
     over all their tokens; without gradient accumulation that is the whole global batch)."""
     grouped_mm: bool = True
-    """Run the experts as grouped GEMMs (torch._grouped_mm), with no host sync; false, or a build without them, or
-    widths their 16-byte strides do not fit (bf16: dim and expert width multiples of 8) run one matmul chain per
-    expert, which reads the counts on the host."""
+    """Run the experts as grouped GEMMs (torch._grouped_mm), with no host sync. One matmul chain per expert instead,
+    which reads the counts on the host: with false, a build without them, widths their 16-byte strides do not fit
+    (bf16: dim and expert width multiples of 8), or a dtype other than bf16 on a GPU or under torch.compile (fp32
+    runs grouped on a CPU only)."""
 
     def __post_init__(self) -> None:
         self.router, self.aux_loss_scope = str(self.router), str(self.aux_loss_scope)  # plain, as TransformerArgs'

@@ -31,8 +31,6 @@ class Assignments:
     """(T * k,) the flat index token * k + slot of each row: the permutation to expert order."""
     slots: torch.Tensor
     """(T * k,) the row of each (token, slot) pair, in flat order: the permutation back (order's inverse)."""
-    kept: torch.Tensor | None = None
-    """(T * k,) bool, True for the first N rows; None when nothing can be dropped (no capacity limit)."""
 
 
 def count_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -70,8 +68,7 @@ def assign(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capac
         order = order[dropped_last]
         counts = routed.clamp(max=capacity)
         kept = torch.arange(order.numel(), device=order.device) < counts.sum()
-        weights = flat_weights[order] * kept
-        return Assignments(order // top_k, weights, counts, routed, order, inverse(order), kept)
+        return Assignments(order // top_k, flat_weights[order] * kept, counts, routed, order, inverse(order))
     return Assignments(order // top_k, flat_weights[order], counts, routed, order, inverse(order))
 
 

@@ -1,5 +1,6 @@
 """The MoE layer that replaces a block's dense MLP: router, routed experts, optional shared experts."""
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,13 @@ from forge.models.common.moe.router import Router
 
 LoadReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a per-expert count tensor over the data-parallel ranks (installed by forge.parallel for global_batch)."""
+
+
+def without_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off for the device's ops inside (nothing to turn off where it has no autocast, e.g. meta)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class MoE(nn.Module):
@@ -57,12 +65,14 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         args = self.args
         kept = assign(routing.experts, routing.weights, args.num_experts, args.capacity_factor)
-        # One permutation to expert order (cast first: the gathered rows are k times the tokens) and one back.
-        inputs = tokens.to(compute_dtype(tokens)).index_select(0, kept.tokens)
-        expert_out = self.dispatch(inputs, kept.counts, self.experts)
+        # One permutation of the k copies of each token to expert order (cast first: k times fewer rows to cast; the
+        # backward sums a token's k gradients in one reduction) and one back.
+        copies = tokens.to(compute_dtype(tokens)).unsqueeze(1).expand(-1, args.top_k, -1).flatten(0, 1)
+        expert_out = self.dispatch(permute_rows(copies, kept.order, kept.slots), kept.counts, self.experts)
         per_slot = permute_rows(expert_out, kept.slots, kept.order).float().view(-1, args.top_k, shape[-1])
         weights = kept.weights.index_select(0, kept.slots).float().view(-1, 1, args.top_k)  # 0 where dropped
-        out = torch.bmm(weights, per_slot).view(-1, shape[-1]).to(x.dtype)  # each token's weighted sum, in fp32
+        with without_autocast(x.device.type):  # autocast would run the product in bf16
+            out = torch.bmm(weights, per_slot).view(-1, shape[-1]).to(x.dtype)  # each token's weighted sum, in fp32
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
 
