@@ -39,6 +39,25 @@ def test_a_sweep_reports_each_point_ranked_by_validation_loss(tmp_path):
     assert "optimizer.lr=0.0001 debug=fast" in report.stdout
 
 
+def test_a_refused_point_is_recorded_and_the_sweep_runs_the_others(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = subprocess.run(
+        [sys.executable, "-m", "forge.train", "-m", "model.n_heads=3,4", "debug=fast", f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]  # as the refused point alone would
+    # named before any point runs, and again once the others have run
+    assert "refused, the other points run: sweep point model.n_heads=3 debug=fast: model.dim=256" in done.stderr
+    assert f"the others ran: forge-sweep-report {sweep}" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    report = subprocess.run(
+        [sys.executable, "-m", "forge.launch.sweep_report", str(sweep)], capture_output=True, text=True, timeout=120
+    )
+    by_point = {row["point"]: row for row in csv.DictReader((sweep / "sweep_report.csv").open())}
+    assert by_point["0"]["status"] == "refused: model.dim=256 is not divisible by model.n_heads=3", report.stdout
+    assert by_point["1"]["status"] == "done" and float(by_point["1"]["val_loss"]) > 0
+
+
 def test_a_folder_without_points_is_one_line_and_exit_2(tmp_path):
     report = subprocess.run(
         [sys.executable, "-m", "forge.launch.sweep_report", str(tmp_path)], capture_output=True, text=True, timeout=60

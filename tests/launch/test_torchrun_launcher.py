@@ -1,5 +1,6 @@
 """hydra/launcher=torchrun: each sweep point of a `-m` run is its own torchrun of N processes on this machine."""
 
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -10,15 +11,19 @@ from hydra_plugins.forge_torchrun_launcher.torchrun_launcher import job_return
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_points_of_two_processes_each(tmp_path):
+def test_two_points_of_two_processes_each_after_a_refused_one(tmp_path):
     sweep = tmp_path / "sweep"
     done = subprocess.run(
         [sys.executable, "-m", "forge.train", "-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2",
-         "optimizer.lr=1e-3,3e-3", "debug=fast", f"hydra.sweep.dir={sweep}"],
+         "optimizer.lr=-1,1e-3,3e-3", "debug=fast", f"hydra.sweep.dir={sweep}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    for point, lr in (("0", "0.001"), ("1", "0.003")):
+    # the refused point is recorded, the sweep runs the others, then exits as the refusal does
+    assert done.returncode == 2, done.stderr[-3000:]
+    stopped = "a sweep point stopped (optimizer.lr=-1 debug=fast: refused: optimizer.lr=-1.0"
+    assert stopped in done.stderr, done.stderr[-3000:]
+    assert read_point(sweep / "0").status.startswith("refused: optimizer.lr=-1")
+    for point, lr in (("1", "0.001"), ("2", "0.003")):
         log = (sweep / point / "forge.log").read_text()
         assert "FSDP over mesh {'dp_shard': 2}" in log  # two processes, not one
         assert f"optimizer.lr={lr}" in (sweep / point / ".hydra" / "overrides.yaml").read_text()
@@ -30,3 +35,6 @@ def test_two_points_of_two_processes_each(tmp_path):
 def test_a_failed_point_is_a_failed_job(tmp_path):
     ret = job_return(["optimizer.lr=1"], tmp_path, 1)
     assert ret.status.name == "FAILED"
+    assert ret._return_value.line == "optimizer.lr=1: exited with 1"
+    back = pickle.loads(pickle.dumps(ret._return_value))  # as submitit returns a SLURM job's failure
+    assert (back.line, back.code, back.sweep_dir) == (ret._return_value.line, 1, str(tmp_path.parent))

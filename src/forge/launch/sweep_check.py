@@ -2,7 +2,10 @@
 
 Hydra composes and runs the points of `forge-train -m` one after the other, so a bad point (say
 `optimizer.lr=-1,1e-3`) used to fail only when its turn came, and stopped every point after it. This callback
-expands the sweep as Hydra's basic sweeper will, composes each point and runs forge's validation on it.
+expands the sweep as Hydra's basic sweeper will, composes each point and runs forge's validation on it. When every
+point is refused, nothing runs (one line, exit 2). Otherwise each refused point is named up front and the sweep
+runs: a refused point stops at once, recording why in its folder (forge.train.main.stop), the others train, and
+forge-train exits 2 once they have (forge-sweep-report lists the refused point with its reason).
 """
 
 import sys
@@ -26,8 +29,8 @@ def sweep_points(task_overrides: list[str]) -> list[list[str]]:
     return [point for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for point in batch]
 
 
-def check_sweep(config: DictConfig) -> None:
-    """Raise ConfigError naming the first invalid point and why."""
+def check_sweep(config: DictConfig) -> tuple[int, list[str]]:
+    """How many points the sweep has, and a line for each point it refuses: the point and why."""
     from hydra import compose
 
     from forge.config.resolve import fit_warmup_to_run, override_keys
@@ -36,26 +39,31 @@ def check_sweep(config: DictConfig) -> None:
     from forge.parallel.env import read_dist_env
 
     world = launch_world_size(config) or read_dist_env().world_size
-    for point in sweep_points(OmegaConf.to_container(config.hydra.overrides.task)):
+    points = sweep_points(OmegaConf.to_container(config.hydra.overrides.task))
+    refused = []
+    for point in points:
         try:
             cfg = compose(config_name="train", overrides=point)
             fit_warmup_to_run(cfg, override_keys(point))
             validate(cfg, world_size=cfg.parallel.world_size or world)
         except ConfigError as err:
-            raise ConfigError(f"sweep point {' '.join(point)}: {err}") from None
+            refused.append(f"sweep point {' '.join(point)}: {err}")
         except HydraException as err:  # a point Hydra cannot compose: one line as well
-            raise ConfigError(f"sweep point {' '.join(point)}: {composition_message(err)}") from None
+            refused.append(f"sweep point {' '.join(point)}: {composition_message(err)}")
         except Exception as err:  # noqa: BLE001 - whatever else stops a point: one line as well
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"sweep point {' '.join(point)}: {reason}") from None
+            refused.append(f"sweep point {' '.join(point)}: {reason}")
+    return len(points), refused
 
 
 class SweepCheck(Callback):
-    """Hydra callback: every point validated once, before any job starts or is submitted (exit code 2)."""
+    """Hydra callback: every point validated once, before any job starts or is submitted; a sweep of refused points
+    only exits 2 there."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        try:
-            check_sweep(config)
-        except ConfigError as err:
-            print(f"forge-train: invalid sweep: {err}", file=sys.stderr)
+        total, refused = check_sweep(config)
+        if refused and len(refused) == total:
+            print(f"forge-train: invalid sweep: {refused[0]}", file=sys.stderr)
             sys.exit(EXIT_CONFIG_ERROR)
+        for line in refused:
+            print(f"forge-train: refused, the other points run: {line}", file=sys.stderr)

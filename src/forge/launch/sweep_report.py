@@ -5,7 +5,8 @@ points.
     forge-sweep-report multirun/2026-12-06/10-00-00
 
 A point is a numbered folder Hydra made (`0`, `1`, ...). Its status: `done` (its last logged step is the run's
-train.steps), `stopped at step N` (it ended early: an error, a kill, a preemption), `not started` (no metrics).
+train.steps), `refused: ...` or `failed: ...` (the line forge-train recorded when the point stopped; the sweep ran
+the others), `stopped at step N` (it ended early otherwise: a kill, a preemption), `not started` (no metrics).
 """
 
 import argparse
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from forge.launch.sweep_point import FAILED_FILE
 from forge.metrics.plot import MetricsFileError, plot_runs, read_records
 
 COLUMNS = ("point", "overrides", "status", "loss", "val_loss", "tokens_per_s", "mfu")
@@ -50,7 +52,9 @@ def read_point(run: Path) -> Point:
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
     last_step = max((r.get("step", 0) for r in records), default=None)
-    if last_step is None:
+    if (run / FAILED_FILE).is_file():
+        status = (run / FAILED_FILE).read_text().strip()
+    elif last_step is None:
         status = "not started"
     elif steps is not None and last_step >= steps:
         status = "done"
@@ -78,9 +82,11 @@ def table(points: list[Point]) -> str:
         return "-" if value is None else format(value, spec)
 
     width = max([len("overrides"), *(len(p.overrides) for p in points)])
-    lines = [f"{'#':>3}  {'overrides':<{width}}  {'status':<18} {'loss':>8} {'val loss':>9} {'tok/s':>9} {'MFU':>6}"]
+    state = max([18, *(len(p.status) for p in points)])
+    lines = [f"{'#':>3}  {'overrides':<{width}}  {'status':<{state}} "
+             f"{'loss':>8} {'val loss':>9} {'tok/s':>9} {'MFU':>6}"]  # fmt: skip
     for p in points:
-        lines.append(f"{p.point:>3}  {p.overrides:<{width}}  {p.status:<18} {number(p.loss, '.4f'):>8} "
+        lines.append(f"{p.point:>3}  {p.overrides:<{width}}  {p.status:<{state}} {number(p.loss, '.4f'):>8} "
                      f"{number(p.val_loss, '.4f'):>9} {number(p.tokens_per_s, ',.0f'):>9} "
                      f"{number(p.mfu, '.1%'):>6}")  # fmt: skip
     return "\n".join(lines)

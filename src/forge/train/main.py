@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -17,6 +18,7 @@ from forge.config.errors import composition_message
 from forge.config.help import field_help
 from forge.config.validate import null_group_refusal
 from forge.data.sources import DataError
+from forge.launch.sweep_point import FAILED_FILE, SWEEP_POINT_ENV, PointFailed
 from forge.planning.flags import has_plan_flags
 
 log = logging.getLogger("forge")
@@ -110,22 +112,19 @@ def _task(cfg: DictConfig) -> float | None:
         degrees = validate(cfg)  # before the trainer's heavy imports: a config error costs none of them
         summary = build_trainer(cfg, degrees).fit()
     except ConfigError as err:
-        print(f"forge-train: invalid config: {err}", file=sys.stderr)
-        remove_empty_run_dir()
-        sys.exit(EXIT_CONFIG_ERROR)
+        stop(EXIT_CONFIG_ERROR, f"invalid config: {err}", f"refused: {err}")
     except (DataError, InstantiationException) as err:
         cause = err.__cause__ if isinstance(err, InstantiationException) else err
         if not isinstance(cause, DataError):
             raise
-        print(f"forge-train: {cause}", file=sys.stderr)
-        sys.exit(1)
+        stop(1, str(cause), f"failed: {cause}")
     except Exception as err:
         from forge.checkpoint.errors import CheckpointError  # imported late: it brings torch.distributed.checkpoint
 
         if not isinstance(err, CheckpointError):
+            record_failure(f"failed: {type(err).__name__}: {err}")
             raise
-        print(f"forge-train: {err}", file=sys.stderr)
-        sys.exit(1)
+        stop(1, str(err), f"failed: {err}")
     if summary.get("preempted"):
         from forge.launch import requeue_via_submitit
         from forge.resilience import EXIT_PREEMPTED
@@ -137,6 +136,37 @@ def _task(cfg: DictConfig) -> float | None:
         requeue_via_submitit()  # under submitit: requeue the job (rank 0 does not return)
         sys.exit(EXIT_PREEMPTED)
     return summary["final_val_loss"]
+
+
+def in_sweep() -> bool:
+    """This run is a point of a sweep: a Hydra multirun's job, or a point the torchrun launcher started."""
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN or os.environ.get(SWEEP_POINT_ENV) == "1"
+
+
+def record_failure(status: str) -> None:
+    """In a sweep, the point's folder keeps why it stopped (forge-sweep-report shows it as the point's status)."""
+    if in_sweep():
+        hydra_cfg = HydraConfig.get()
+        run_dir = Path(hydra_cfg.runtime.output_dir)
+        (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        overrides = run_dir / ".hydra" / "overrides.yaml"
+        if not overrides.is_file():  # the point's overrides, as Hydra writes them for a run that starts
+            overrides.write_text(OmegaConf.to_yaml(hydra_cfg.overrides.task))
+        (run_dir / FAILED_FILE).write_text(status + "\n")
+
+
+def stop(code: int, line: str, status: str) -> NoReturn:
+    """One line and exit `code`. In a sweep the point records `status` and the sweep goes on to its other points;
+    alone, a refused config leaves no run directory behind."""
+    print(f"forge-train: {line}", file=sys.stderr)
+    if in_sweep():
+        record_failure(status)
+        raise PointFailed(line, code, str(HydraConfig.get().sweep.dir))
+    if code == EXIT_CONFIG_ERROR:
+        remove_empty_run_dir()
+    sys.exit(code)
 
 
 def remove_empty_run_dir() -> None:
@@ -188,6 +218,11 @@ def main() -> None:
     except (ConfigCompositionException, OverrideParseException) as err:
         print(f"forge-train: invalid config: {composition_message(err)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    except PointFailed as err:  # raised again by Hydra's sweeper once every point has run
+        if os.environ.get(SWEEP_POINT_ENV) != "1":
+            print(f"forge-train: a sweep point stopped ({err.line}); the others ran: forge-sweep-report "
+                  f"{err.sweep_dir}", file=sys.stderr)  # fmt: skip
+        sys.exit(err.code)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ no cluster. Each point's return value is its last validation loss (read from its
 is a failed job, as under Hydra's own launcher."""
 
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
+
+from forge.launch.sweep_point import FAILED_FILE, SWEEP_POINT_ENV, PointFailed
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,8 @@ class TorchrunLauncher(Launcher):
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={self.nproc_per_node}", "-m", "forge.train", *shown, f"hydra.run.dir={job_dir}",
             ]  # fmt: skip
-            done = subprocess.run(command, timeout=self.timeout_s)
+            # the point records why it stopped, if it does, and the sweep goes on (forge.train.main.stop)
+            done = subprocess.run(command, timeout=self.timeout_s, env={**os.environ, SWEEP_POINT_ENV: "1"})
             returns.append(job_return(list(overrides), job_dir, done.returncode))
         return returns
 
@@ -67,8 +71,11 @@ def job_return(overrides: list[str], job_dir: Path, returncode: int) -> JobRetur
     """What Hydra's sweeper reads of a point: its status and return value (the last validation loss)."""
     ret = JobReturn(overrides=overrides, working_dir=str(job_dir))
     if returncode != 0:
+        recorded = job_dir / FAILED_FILE
+        why = recorded.read_text().strip() if recorded.is_file() else f"exited with {returncode}"
         ret.status = JobStatus.FAILED
-        ret._return_value = RuntimeError(f"sweep point {' '.join(overrides)} exited with {returncode} ({job_dir})")
+        code = 2 if why.startswith("refused:") else returncode  # torchrun exits 1 whatever its processes exited with
+        ret._return_value = PointFailed(f"{' '.join(overrides)}: {why}", code, str(job_dir.parent))
         return ret
     from forge.launch.sweep_report import read_point  # here: Hydra imports this module at every start-up
 
