@@ -56,7 +56,8 @@ def count_flops_per_token(args: TransformerArgs, seq_len: int) -> FlopsPerToken:
         moe = args.moe
         expert_hidden = moe.expert_ffn_dim or args.hidden_dim
         moe_per_block = (
-            2 * args.dim * moe.num_experts
+            2 * args.dim * moe.num_experts  # the router
+            + 2 * moe.top_k * args.dim  # the combine: each token's weighted sum, one batched product
             + moe.top_k * swiglu_flops(args.dim, expert_hidden)
             + swiglu_flops(args.dim, expert_hidden * moe.num_shared_experts)
         )
