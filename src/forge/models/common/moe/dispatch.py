@@ -19,8 +19,6 @@ import torch
 class Assignments:
     """All T * k (token, expert) pairs: the N kept ones first, in expert order, then the dropped ones."""
 
-    tokens: torch.Tensor
-    """(T * k,) index of the token of each assignment."""
     weights: torch.Tensor
     """(T * k,) its combine weight (0 for a dropped assignment)."""
     counts: torch.Tensor
@@ -31,6 +29,12 @@ class Assignments:
     """(T * k,) the flat index token * k + slot of each row: the permutation to expert order."""
     slots: torch.Tensor
     """(T * k,) the row of each (token, slot) pair, in flat order: the permutation back (order's inverse)."""
+    top_k: int
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """(T * k,) index of the token of each assignment."""
+        return self.order // self.top_k
 
 
 def count_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -68,8 +72,8 @@ def assign(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capac
         order = order[dropped_last]
         counts = routed.clamp(max=capacity)
         kept = torch.arange(order.numel(), device=order.device) < counts.sum()
-        return Assignments(order // top_k, flat_weights[order] * kept, counts, routed, order, inverse(order))
-    return Assignments(order // top_k, flat_weights[order], counts, routed, order, inverse(order))
+        return Assignments(flat_weights[order] * kept, counts, routed, order, inverse(order), top_k)
+    return Assignments(flat_weights[order], counts, routed, order, inverse(order), top_k)
 
 
 class _PermuteRows(torch.autograd.Function):

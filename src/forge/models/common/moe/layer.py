@@ -9,7 +9,7 @@ from torch import nn
 from forge.models.common.feed_forward import FeedForward
 from forge.models.common.init_spec import InitSpec, prefixed
 from forge.models.common.moe.args import AuxLossScope, MoEArgs
-from forge.models.common.moe.dispatch import Dispatch, assign, count_per_expert, local_dispatch, permute_rows
+from forge.models.common.moe.dispatch import Dispatch, assign, local_dispatch, permute_rows
 from forge.models.common.moe.experts import GroupedExperts, compute_dtype
 from forge.models.common.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
 from forge.models.common.moe.router import Router
@@ -80,10 +80,10 @@ class MoE(nn.Module):
         if args.aux_loss_scope == "sequence" and len(shape) == 3:
             aux = sequence_balancing_loss(routing.probs, routing.experts, args.num_experts, shape[0], spread)
         elif args.aux_loss_scope == "global_batch" and self.training and self.sum_load is not None:
-            counts = self.sum_load(count_per_expert(routing.experts, args.num_experts))
+            counts = self.sum_load(kept.routed)
             aux = load_balancing_loss(routing.probs, routing.experts, args.num_experts, counts)
         else:
-            counts = count_per_expert(routing.experts, args.num_experts)
+            counts = kept.routed  # every assignment, before any capacity limit
             counts = spread(counts) if spread is not None else counts
             aux = load_balancing_loss(routing.probs, routing.experts, args.num_experts, counts)
         self.last_aux_loss = aux
