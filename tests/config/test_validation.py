@@ -71,11 +71,6 @@ CASES = [
         ["parallel.ep=4 must divide parallel.dp_shard=2", "data-parallel world size 4"],
     ),
     (["parallel=ep2_fsdp", "model=llama_tiny", "train.micro_batch_size=4"], 2, ["the model is dense"]),
-    (
-        ["parallel=ep2_fsdp", "model=moe", "parallel.activation_checkpoint=selective", "train.micro_batch_size=4"],
-        2,
-        ["parallel.activation_checkpoint=selective is not supported"],
-    ),
     (["model=moe", "model.moe.aux_loss_scope=batch"], 1, ["model.moe.aux_loss_scope='batch'"]),
     (["model=moe", "model.moe.top_k=9"], 1, ["model.moe.top_k=9"]),
     (["model=moe", "model.moe.router=hash"], 1, ["model.moe.router='hash'"]),

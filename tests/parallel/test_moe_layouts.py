@@ -2,8 +2,8 @@
 models under context parallelism (their balancing counts summed over the cp ranks), train like one process: the
 product's own example, `torchrun --nproc_per_node=4 -m forge.train model=moe parallel=tp4_fsdp`; tp2 / tp2 x fsdp2
 with the router kinds, aux-loss scopes, shared experts, capacity limits, activation checkpointing and
-deepseek_v3_small's latent attention (with and without the query's low-rank pair); cp2 / cp2 x fsdp2 with each
-aux-loss scope; on real gloo ranks.
+deepseek_v3_small's latent attention (with and without the query's low-rank pair, and with ep2); cp2 / cp2 x fsdp2
+with each aux-loss scope, cp2 x ep2 (and under HSDP); ep2 with selective checkpointing; on real gloo ranks.
 
 The reference runs the same micro-batches in one process: a micro_batch aux loss is each micro-batch's, so a layout
 with 2 data-parallel ranks of 4 samples is compared with one process accumulating 2 micro-batches of 4. The same
@@ -51,6 +51,10 @@ TWO_RANKS = {
     ),
     "latent_tp2": (LATENT, ["parallel=tp2", "train.micro_batch_size=8"], 8),
     "cp2": (SIGN, ["parallel=cp2", "train.micro_batch_size=8"], 8),
+    # the experts' FSDP hooks run inside the checkpointed block (forge.parallel.plan.selective_contexts)
+    "ep2_ac_selective": (
+        [], ["parallel=ep2_fsdp", "train.micro_batch_size=4", "parallel.activation_checkpoint=selective"], 4
+    ),
 }  # fmt: skip
 FOUR_RANKS = {
     "tp4_fsdp": ([], ["parallel=tp4_fsdp", "train.micro_batch_size=8"], 8),
@@ -71,9 +75,21 @@ FOUR_RANKS = {
     # ep over the dp_shard ranks of one tp index: each expert's width split over tp, the experts over ep
     "tp2_ep2": ([], ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 4),
     "tp2_ep2_sigmoid_shared_global": (SIGMOID, ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 8),
+    # ep over the dp_shard ranks of one cp index; the experts' FSDP group spans their cp peers (who route other
+    # positions of the same sequences to them)
+    "latent_tp2_ep2": (LATENT, ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 4),
+    "cp2_ep2": (SIGN, ["parallel=cp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 4),
 }
-EIGHT_RANKS = {"tp2_ep2_fsdp2": ([], ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=2"], 2)}
-"""The experts' weights FSDP-sharded too (over dp_shard / ep = 2): 2-D (ep, tp) DTensors under FSDP2."""
+EIGHT_RANKS = {
+    "tp2_ep2_fsdp2": ([], ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=2"], 2),
+    "hsdp_cp2_ep2": (
+        SIGN,
+        ["parallel=cp2_fsdp", "parallel.dp_replicate=2", "parallel.ep=2", "train.micro_batch_size=2"],
+        2,
+    ),
+}
+"""The experts' weights FSDP-sharded too: over dp_shard / ep = 2 as 2-D (ep, tp) DTensors, and over (dp_replicate,
+(dp_shard / ep) x cp) as HSDP."""
 
 
 def references(cases: dict) -> dict[str, list[str]]:
@@ -129,8 +145,9 @@ def test_four_rank_moe_layouts_match_one_process(name, four_rank_curves, referen
 
 def test_tensor_and_expert_parallel_experts_under_fsdp_match_one_process(reference_curves, tmp_path):
     runs = launch(run_scenarios, 8, layouts(EIGHT_RANKS), str(tmp_path))[0]
-    assert runs["tp2_ep2_fsdp2"]["local_params"] < 0.3 * runs["tp2_ep2_fsdp2"]["params"]
-    assert_same_curves(runs["tp2_ep2_fsdp2"], reference_curves["ref_tp2_ep2_fsdp2"])
+    for name in EIGHT_RANKS:
+        assert runs[name]["local_params"] < 0.3 * runs[name]["params"], name
+        assert_same_curves(runs[name], reference_curves[f"ref_{name}"])
 
 
 def losses(run_dir) -> list[float]:

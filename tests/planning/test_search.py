@@ -21,14 +21,16 @@ def searched(*overrides: str):
 
 
 def test_rows_are_the_fastest_layouts_validation_accepts():
-    """A MoE model on 8 ranks: every candidate validated one by one; the table lists the first valid ones in the
-    predicted order, and the refused ones (EP with selective checkpointing, among others) never appear."""
-    cfg = searched("model=moe_tiny", "parallel.world_size=8", "search.top=6")
+    """A compiled MoE model on 8 ranks: every candidate validated one by one; the table lists the first valid ones
+    in the predicted order, and the refused ones (tensor-parallel MoE under compile, among others) never appear."""
+    cfg = searched("model=moe_tiny", "parallel.world_size=8", "search.top=6", "parallel.compile=true")
     fitting, considered, _ = search(cfg.copy())
     accepted = [p for p in fitting if valid(cfg, p) is None]
     assert len(accepted) < len(fitting) <= considered  # some candidates are refused
     refused = [p.layout for p in fitting if valid(cfg, p) is not None]
-    assert any(layout.ep > 1 and layout.activation_checkpoint == "selective" for layout in refused)
+    assert any(layout.tp > 1 for layout in refused) and all(
+        layout.tp == 1 for layout in map(lambda p: p.layout, accepted)
+    )
     text = search_report(cfg)
     rows = [line for line in text.splitlines() if re.match(r"\s*\d+\s+rep", line)]
     assert [row.split(maxsplit=1)[1][:58].strip() for row in rows] == [p.layout.short() for p in accepted[:6]]
@@ -164,3 +166,15 @@ def test_settings_out_of_range_are_named(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=rf"^{key}=.* must be"):
         search_report(searched("model=llama_tiny", "parallel.world_size=8", override))
+
+
+def test_every_candidate_is_a_layout_validation_accepts():
+    """Every degree the search enumerates reaches the candidate (pipeline stages with context parallelism included),
+    so a model and world that validation refuses nothing for get no refused candidate, and the 3-D and 4-D layouts
+    are among them."""
+    cfg = searched("model=moe_tiny", "parallel.world_size=8")
+    fitting, _, _ = search(cfg.copy())
+    one_each = {(p.layout.degrees_tuple(), p.layout.pp_schedule): p for p in fitting}.values()  # of each layout
+    assert [valid(cfg, p) for p in one_each] == [None] * len(one_each)
+    degrees = {(p.layout.tp > 1, p.layout.pp > 1, p.layout.cp > 1, p.layout.ep > 1) for p in fitting}
+    assert {(False, True, True, False), (True, True, True, False), (True, True, False, True)} <= degrees

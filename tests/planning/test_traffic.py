@@ -37,18 +37,24 @@ LAYOUTS = {  # preset -> the same layout as the search writes it
     "cp2_fsdp": Layout(1, 2, 1, 1, 1, "none", 1, cp=2),  # FSDP over dp_shard 2 x cp 2, K/V over the cp pairs
     "cp2_fsdp_selective": Layout(1, 2, 1, 1, 1, "selective", 1, cp=2),  # the recompute gathers K/V again
     "cp2_fsdp_moe": Layout(1, 2, 1, 1, 1, "none", 1, cp=2),  # the experts sharded over dp_shard x cp as the rest
+    "cp2_ep2_moe": Layout(1, 2, 1, 1, 2, "none", 1, cp=2),  # the experts' FSDP group: (dp_shard / ep) x cp = 2
+    "pp2_ep2_moe": Layout(1, 2, 1, 2, 2, "none", 4, "1f1b", 4),  # rank 0's stage: its blocks' all-to-alls
 }
 MODEL = {
     "ep2_fsdp": ["model=moe_tiny"],
     "tp2_fsdp_moe": ["model=moe_tiny"],
     "cp2_fsdp_moe": ["model=moe_tiny"],
+    "cp2_ep2_moe": ["model=moe_tiny", "parallel.ep=2"],
+    "pp2_ep2_moe": ["model=moe_tiny", "parallel.ep=2"],
     "cp2_fsdp_selective": ["parallel.activation_checkpoint=selective"],
 }
 """The MoE layout trains the default MoE (8 experts, top 2) at the tiny width; other extra overrides."""
 PRESET = {"cp2_fsdp_selective": "cp2_fsdp", "tp2_fsdp_moe": "tp2_fsdp", "cp2_fsdp_moe": "cp2_fsdp"}
+PRESET |= {"cp2_ep2_moe": "cp2_fsdp", "pp2_ep2_moe": "pp2_fsdp"}
 """The parallel preset of a layout not named after one."""
 MICRO = {
     "pp2_fsdp": [],
+    "pp2_ep2_moe": [],
     "pp2": ["train.micro_batch_size=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.microbatches=2"],
 }
 """Micro-batch overrides: 1 sample (2 or 4 micro-batches per rank: the per-micro-batch traffic counts), except
@@ -57,12 +63,13 @@ where the schedule reduces once per micro-batch)."""
 
 
 class CollectiveBytes(TorchDispatchMode):
-    """Bytes of the first tensor argument of every collective, by op and by the size of its group (the output of
-    c10d's all-gather and reduce-scatter, the input of the functional ones). An all-to-all also counts the bytes
-    it keeps on this rank (its own split), which it does not send."""
+    """Bytes of the first tensor argument of every collective, by op, by the size of its group and whether the
+    group is `cp_group` (the output of c10d's all-gather and reduce-scatter, the input of the functional ones). An
+    all-to-all also counts the bytes it keeps on this rank (its own split), which it does not send."""
 
-    def __init__(self):
+    def __init__(self, cp_group=None):
         super().__init__()
+        self.cp_group = cp_group
         self.bytes: Counter = Counter()
         self.kept: Counter = Counter()
 
@@ -74,7 +81,7 @@ class CollectiveBytes(TorchDispatchMode):
                        for t in (group if isinstance(group, list | tuple) else [group])]  # fmt: skip
             nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
             group = group_of(args)
-            self.bytes[name, group.size()] += nbytes
+            self.bytes[name, group.size(), group == self.cp_group] += nbytes
             if "all_to_all_single" in name:  # (input, output splits, input splits, group name)
                 splits = args[2]
                 self.kept[name] += nbytes * splits[group.rank()] / max(sum(splits), 1)
@@ -107,7 +114,8 @@ def count_one_step(root: str) -> dict[str, dict]:
     for preset in LAYOUTS:
         trainer = Trainer(compose(overrides(preset)), Path(root) / preset)
         trainer.train_step(1)
-        with CollectiveBytes() as counted:
+        names = trainer.mesh.mesh_dim_names
+        with CollectiveBytes(trainer.mesh["cp"].get_group() if "cp" in names else None) as counted:
             trainer.train_step(2)
         out[preset] = {"bytes": dict(counted.bytes), "kept": dict(counted.kept)}
     return out
@@ -118,9 +126,9 @@ def counted(tmp_path_factory):
     return launch(count_one_step, 4, str(tmp_path_factory.mktemp("traffic")))[0]
 
 
-def total(counted: dict, op: str, weight) -> float:
-    """Bytes of `op` over all its groups, each group's weighted by weight(group size)."""
-    return sum(nbytes * weight(size) for (name, size), nbytes in counted.items() if name == op)
+def total(counted: dict, op: str, weight, on_cp: bool = False) -> float:
+    """Bytes of `op` over its groups (the cp group's, or the others'), each group's weighted by weight(its size)."""
+    return sum(nbytes * weight(size) for (name, size, cp), nbytes in counted.items() if name == op and cp == on_cp)
 
 
 def sent(counted: dict, layout: Layout) -> dict[str, float]:
@@ -129,14 +137,12 @@ def sent(counted: dict, layout: Layout) -> dict[str, float]:
     the share the router really sent)."""
     out = {}
     gather, scatter = "c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default"
-    in_cp = (lambda n: n == layout.cp) if layout.cp > 1 else (lambda n: False)  # FSDP's group is dp_shard x cp
-    if layout.dp_shard * layout.cp > 1:
-        out["fsdp_all_gather"] = total(counted, gather, lambda n: 0 if in_cp(n) else (n - 1) / n)
-        out["fsdp_reduce_scatter"] = total(counted, scatter, lambda n: 0 if in_cp(n) else n - 1)
+    if layout.dp_shard * layout.cp > 1:  # FSDP's groups: dp_shard x cp, and the experts' own
+        out["fsdp_all_gather"] = total(counted, gather, lambda n: (n - 1) / n)
+        out["fsdp_reduce_scatter"] = total(counted, scatter, lambda n: n - 1)
     if layout.cp > 1:  # the keys and values, gathered forward, their gradients reduce-scattered backward
-        out["cp"] = total(counted, gather, lambda n: (n - 1) / n if in_cp(n) else 0) + total(
-            counted, scatter, lambda n: n - 1 if in_cp(n) else 0
-        )
+        out["cp"] = total(counted, gather, lambda n: (n - 1) / n, on_cp=True)
+        out["cp"] += total(counted, scatter, lambda n: n - 1, on_cp=True)
     if layout.dp_replicate > 1:
         out["replicate_all_reduce"] = total(counted, "c10d.allreduce_.default", lambda n: 2 * (n - 1) / n)
     if layout.pp > 1:  # rank 0: the first stage, which sends its activations on
@@ -156,7 +162,7 @@ def sent(counted: dict, layout: Layout) -> dict[str, float]:
 
 def all_to_all_bytes(counted: dict) -> float:
     """Bytes the tokens' all-to-alls carried (dispatch and combine, forward and backward; not the counts')."""
-    return sum(nbytes for (name, _), nbytes in counted.items() if "all_to_all_single" in name)
+    return sum(nbytes for (name, *_), nbytes in counted.items() if "all_to_all_single" in name)
 
 
 @pytest.mark.parametrize("preset", list(LAYOUTS))

@@ -26,6 +26,13 @@ class Degrees:
         return self.dp_shard * self.cp
 
     @property
+    def expert_shard(self) -> int:
+        """Ranks FSDP shards one rank's experts over (without ep, all its experts are sharded like the rest): the
+        dp_shard / ep ranks that hold the same experts, times cp (context-parallel peers route other tokens to
+        them)."""
+        return self.dp_shard // self.ep * self.cp
+
+    @property
     def token_ranks(self) -> int:
         """Ranks that hold different tokens of a step: dp x cp. Gradients are averaged over them."""
         return self.dp * self.cp

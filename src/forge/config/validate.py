@@ -205,11 +205,6 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
             moe.num_experts % degrees.ep == 0,
             f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={degrees.ep}",
         )
-        require(
-            parallel.activation_checkpoint != "selective",
-            f"parallel.ep={degrees.ep} with parallel.activation_checkpoint=selective is not supported (the experts' "
-            "own FSDP hooks replay differently when the block is recomputed; use full or none)",
-        )
     if degrees.pp > 1:
         require(cfg.get("vlm") is None, f"parallel.pp={degrees.pp} is not supported with a VLM (vlm is set)")
         require(
@@ -364,7 +359,6 @@ def validate_context_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         f"train.seq_len={seq} is not divisible by 2 x parallel.cp={cp} (each cp rank holds two equal chunks)",
     )
     refused = {
-        f"parallel.ep={degrees.ep} (the expert weights' FSDP group would leave out the cp ranks)": degrees.ep > 1,
         "model.moe.capacity_factor > 0 (each cp rank would drop from its own part of the sequences)": (
             cfg.model.get("moe") is not None and cfg.model.moe.capacity_factor > 0
         ),

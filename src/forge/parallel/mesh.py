@@ -56,8 +56,10 @@ def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh | None:
         sizes = (degrees.dp_replicate, degrees.dp_shard)
         flattened["dp_replicate", "dp_shard"] = _unflatten(flattened["dp",], mesh, sizes)
     if "cp" in shape:
-        shard_dims = tuple(name for name in ("dp_shard", "cp") if name in shape)
+        shard_dims = tuple(name for name in ("dp_shard", "dp_shard_mod_ep", "ep", "cp") if name in shape)
         flattened["dp_shard_cp",] = mesh[shard_dims]._flatten("dp_shard_cp") if len(shard_dims) > 1 else mesh["cp"]
+        if "ep" in shape:  # the experts' FSDP group: the ranks holding the same experts, cp peers included
+            flattened["expert_shard",] = mesh["dp_shard_mod_ep", "cp"]._flatten("expert_shard")
         token_dims = (*dp_dims, "cp")
         if len(token_dims) > 1:
             flattened["dp_cp",] = mesh[token_dims]._flatten("dp_cp")
@@ -66,6 +68,12 @@ def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh | None:
             flattened["dp_replicate", "dp_shard_cp"] = _unflatten(
                 flattened["dp_cp",], mesh, sizes, ("dp_replicate", "dp_shard_cp")
             )
+            if "ep" in shape:
+                experts = mesh["dp_replicate", "dp_shard_mod_ep", "cp"]._flatten("dp_replicate_expert_shard")
+                sizes = (degrees.dp_replicate, degrees.expert_shard)
+                flattened["dp_replicate", "expert_shard"] = _unflatten(
+                    experts, mesh, sizes, ("dp_replicate", "expert_shard")
+                )
     setattr(mesh, _FLATTENED, flattened)
     return mesh
 
@@ -109,10 +117,11 @@ def has_dp_shard(mesh: DeviceMesh | None) -> bool:
 
 
 def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards expert weights over: dp_shard_mod_ep, with dp_replicate in front for HSDP."""
-    if "dp_replicate" in (mesh.mesh_dim_names or ()):
-        return submesh(mesh, "dp_replicate", "dp_shard_mod_ep")
-    return submesh(mesh, "dp_shard_mod_ep")
+    """The mesh FSDP2 shards expert weights over: dp_shard_mod_ep (with cp, flattened with it: expert_shard), with
+    dp_replicate in front for HSDP."""
+    names = mesh.mesh_dim_names or ()
+    shard = "expert_shard" if "cp" in names else "dp_shard_mod_ep"
+    return submesh(mesh, *(("dp_replicate",) if "dp_replicate" in names else ()), shard)
 
 
 def dp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:

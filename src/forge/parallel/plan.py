@@ -18,7 +18,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _is_compiling,
+    create_selective_checkpoint_contexts,
+)
 
 from forge.config.degrees import Degrees
 from forge.config.schema import ActivationCheckpoint, CompileScope
@@ -161,7 +166,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> Applied:
 def checkpoint_options(mode: str) -> dict:
     """Keyword arguments of a non-reentrant checkpoint for `full` or `selective` activation checkpointing."""
     if mode == "selective":
-        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
+        return {"context_fn": selective_contexts}
     if mode != "full":
         choices = ", ".join(ActivationCheckpoint)
         raise ValueError(f"parallel.activation_checkpoint={mode!r} is not one of {choices}")
@@ -170,6 +175,29 @@ def checkpoint_options(mode: str) -> dict:
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts() -> tuple:
+    """torch's selective-checkpoint pair (the forward keeps SAVE_OPS' outputs; the recompute replays them), with a
+    recompute that counts only the kept ops.
+
+    torch's replay numbers every op call and fails when the recompute calls an op more often than the forward did.
+    FSDP's hooks of a module inside the block (the expert weights' own FSDP group under expert parallelism) call
+    profiler and copy ops a different number of times in the recompute, which is not the model's computation
+    (pytorch/torchtitan#3427). Everything outside SAVE_OPS is recomputed anyway, so it runs unnumbered; the kept ops
+    are the model's matmuls and attention, which FSDP never calls, so their numbering still pairs each call with its
+    saved output."""
+    forward, recompute = create_selective_checkpoint_contexts(_save_matmuls)
+    recompute.__class__ = _ReplayKeptOps
+    return forward, recompute
+
+
+class _ReplayKeptOps(_CachedTorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in SAVE_OPS and not _is_compiling(func, args, kwargs):  # traced graphs keep torch's marking
+            return func(*args, **kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def apply_compile(model: nn.Module, cuda_graphs: bool = False, scope: str = CompileScope.blocks) -> Applied:

@@ -188,7 +188,7 @@ def estimate_memory(
         gather = local_params * act_bytes if act_bytes < 4 else 0
     grads = 4 * local_params
     if deferred_sync and shard > 1:
-        expert_shard = max(degrees.dp_shard // degrees.ep, 1) if degrees.ep > 1 else shard
+        expert_shard = degrees.expert_shard if degrees.ep > 1 else shard
         unsharded = (local_params - local_experts) * shard + local_experts * expert_shard
         grads = 4 * unsharded
         if degrees.pp > 1:

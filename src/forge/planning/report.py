@@ -250,7 +250,8 @@ def _expert_line(args, degrees: Degrees, model, local: int, local_experts: int) 
     num = args.moe.num_experts
     where = (
         f"ep={degrees.ep} (borrowed from dp_shard={degrees.dp_shard}; each expert's weights FSDP-sharded over "
-        f"dp_shard / ep = {degrees.dp_shard // degrees.ep} rank(s)), {num // degrees.ep} of {num} experts per rank"
+        f"{'(dp_shard / ep) x cp' if degrees.cp > 1 else 'dp_shard / ep'} = {degrees.expert_shard} rank(s)), "
+        f"{num // degrees.ep} of {num} experts per rank"
         if degrees.ep > 1
         else f"no expert parallelism (parallel.ep=1): all {num} experts on every rank, sharded like dense weights"
     )

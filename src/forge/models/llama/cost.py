@@ -112,7 +112,7 @@ def mla_activation_elems(args) -> float:
 
 def block_gather_params(args, degrees: "Degrees") -> float:
     """Parameters of the largest block that FSDP all-gathers. An MoE block's
-    expert weights are gathered only over dp_shard / ep ranks, and only this rank's E / ep experts."""
+    expert weights are gathered only over dp_shard / ep x cp ranks, and only this rank's E / ep experts."""
     attention = attention_flops(args, 0)[0] / 2  # one multiply-add per weight
     dense = attention + 3 * args.dim * args.hidden_dim
     moe = args.moe
@@ -120,7 +120,7 @@ def block_gather_params(args, degrees: "Degrees") -> float:
         return dense
     expert = moe.expert_ffn_dim or args.hidden_dim
     shared = 3 * args.dim * expert * moe.num_shared_experts + args.dim * moe.num_experts
-    experts = 3 * args.dim * expert * moe.num_experts / degrees.ep if degrees.dp_shard > degrees.ep else 0
+    experts = 3 * args.dim * expert * moe.num_experts / degrees.ep if degrees.expert_shard > 1 else 0
     return max(dense, attention + shared + experts)
 
 

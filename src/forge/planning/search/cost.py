@@ -324,10 +324,10 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
 
 def _shard_traffic(layout: Layout, dense: float, experts: float) -> float:
     """Elements a rank sends (ring) to gather or reduce-scatter `dense` elements over dp_shard x cp (per tp rank)
-    and `experts` (routed-expert elements) over the dp_shard / ep ranks that share them (this rank holds E / ep, and
-    under tp its part of each one's hidden width)."""
+    and `experts` (routed-expert elements) over the dp_shard / ep x cp ranks that share them (this rank holds E / ep,
+    and under tp its part of each one's hidden width)."""
     shard = layout.dp_shard * layout.cp
     if layout.ep == 1:  # the experts are sharded with the rest of their block
         return (shard - 1) / shard * (dense + experts) / layout.tp
-    group = layout.dp_shard // layout.ep
+    group = layout.degrees.expert_shard
     return (shard - 1) / shard * dense / layout.tp + (group - 1) / group * experts / layout.ep / layout.tp

@@ -25,8 +25,8 @@ def layouts(
 ) -> Iterator[Layout]:
     """Candidates for a model of `args`: tp within a node and dividing the (key/value) heads, pp dividing the
     blocks, cp a power of two with tp x cp within a node, dividing seq_len into 2 x cp chunks
-    (none when seq_len is not given), ep dividing the experts and dp_shard (MoE only, without
-    cp; under tp an MoE's expert width must split over it), every split of the data-parallel ranks into
+    (none when seq_len is not given), ep dividing the experts and dp_shard (MoE only;
+    under tp an MoE's expert width must split over it), every split of the data-parallel ranks into
     dp_replicate x dp_shard, micro-batches dividing each rank's share of the batch."""
     moe, supported = getattr(args, "moe", None), spec_of(args).parallel
     expert_width = (moe.expert_ffn_dim or args.hidden_dim) if moe is not None else 0
@@ -45,8 +45,7 @@ def layouts(
                 per_rank = global_batch // dp
                 for dp_replicate in divisors(dp):
                     dp_shard = dp // dp_replicate
-                    # ep composes with tp (experts split both ways), not with cp yet
-                    split = moe is not None and cp == 1 and "ep" in supported
+                    split = moe is not None and "ep" in supported  # ep composes with tp, pp and cp
                     eps = [e for e in divisors(dp_shard) if moe.num_experts % e == 0] if split else [1]
                     for ep in eps:
                         for micro in powers_of_two(min(per_rank, max_micro)):
@@ -76,4 +75,4 @@ def _with_schedules(args, dp_replicate, dp_shard, tp, pp, ep, micro, cp=1) -> It
                 continue
             for chunks in (pp, 2 * pp, 4 * pp):
                 if micro % chunks == 0:
-                    yield Layout(dp_replicate, dp_shard, tp, pp, ep, mode, micro, schedule, chunks)
+                    yield Layout(dp_replicate, dp_shard, tp, pp, ep, mode, micro, schedule, chunks, cp)
