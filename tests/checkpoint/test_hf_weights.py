@@ -89,7 +89,8 @@ def load_and_compare(overrides: list[str], root: str, folder: Path, tokens, want
     else:  # a stage has no logits: its weights against the one-process loader's (itself checked against HF)
         reference = forge.load_pretrained(folder).state_dict()
         held_weights = [item for part in trainer.pipeline.parts for item in part.state_dict().items()]
-        diff = max((value - reference[plain_name(key)]).abs().max().item() for key, value in held_weights)
+        whole = [(key, value.full_tensor() if isinstance(value, DTensor) else value) for key, value in held_weights]
+        diff = max((value - reference[plain_name(key)]).abs().max().item() for key, value in whole)
     return {
         "diff": diff,
         "read": sum(n for _, n, _ in warm),
@@ -135,6 +136,26 @@ def test_mixtral_loads_into_expert_parallel_fsdp(mixtral, tokens, tmp_path):
         # Each rank owns two whole experts (FSDP shards everything else): it reads those experts' Linears whole.
         experts = {int(name.split(".")[5]) for name in rank["whole_reads"]}
         assert experts == {2 * r, 2 * r + 1} and all(".experts." in name for name in rank["whole_reads"])
+
+
+MOE_LAYOUTS = {  # name -> (ranks, overrides): the experts split on their width, over ep and tp, in stages
+    "tp2": (2, ["parallel=tp2"]),
+    "tp2_ep2": (4, ["parallel=tp2_fsdp", "parallel.ep=2"]),
+    "pp2_ep2": (4, ["parallel=pp2_fsdp", "parallel.ep=2", "model.n_layers=2"]),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_mixtral_loads_into_each_moe_layout_reading_only_its_shards(layout, mixtral, tokens, tmp_path):
+    folder, want = mixtral
+    nproc, overrides = MOE_LAYOUTS[layout]
+    ranks = launch(load_and_compare, nproc, [*MOE, *overrides], str(tmp_path), folder, tokens, want)
+    for rank in ranks:
+        assert rank["diff"] < 1e-4 and rank["read"] == rank["held"]
+        experts = {int(name.split(".")[5]) for name in rank["whole_reads"] if ".experts." in name}
+        # under tp each rank reads part of every expert it holds; in the stages, 2 whole experts of its one block
+        assert len(experts) == (2 if layout == "pp2_ep2" else 0)
 
 
 def train_and_export(overrides: list[str], root: str) -> None:

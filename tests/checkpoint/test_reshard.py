@@ -154,14 +154,20 @@ def test_fsdp4_checkpoint_resumes_in_another_layout(saved, layout, tmp_path):
 def train(run_dir: str, overrides: list[str]) -> dict:
     trainer = Trainer(compose(overrides), Path(run_dir))
     trainer.fit()
-    return {"cp": trainer.degrees.cp, "splits_sequences": trainer.step_body.context is not None}
+    degrees = trainer.degrees
+    return {
+        "cp": degrees.cp,
+        "pp": degrees.pp,
+        "ep": degrees.ep,
+        "splits_sequences": trainer.step_body.context is not None,
+    }
 
 
 def test_context_parallel_checkpoint_resumes_in_one_process(tmp_path):
     """cp 2 on 2 gloo ranks saves at step 3; one process restores it bit for bit and trains on with its losses."""
     cp_run, run, dumps = tmp_path / "cp2", tmp_path / "run", tmp_path / "dumps"
     ran = launch(train, 2, str(cp_run), [*COMMON, "parallel=cp2", f"checkpoint.milestones=[{SAVED_AT}]"], timeout=420)
-    assert ran == [{"cp": 2, "splits_sequences": True}] * 2
+    assert ran == [{"cp": 2, "pp": 1, "ep": 1, "splits_sequences": True}] * 2
     checkpoint = cp_run / f"checkpoints/step-{SAVED_AT:08d}"
     resume(str(run), str(dumps), [*COMMON, "parallel=single", f"checkpoint.resume={checkpoint}"])
 
@@ -197,4 +203,33 @@ def test_tp2_pp2_checkpoint_resumes_in_one_process_and_in_fsdp4(tmp_path):
         assert sorted(resumed) == list(range(SAVED_AT + 1, STEPS + 1)), name
         torch.testing.assert_close(
             [resumed[s] for s in sorted(resumed)], [whole[s] for s in sorted(resumed)], rtol=LOSS_RTOL, atol=0
+        )
+
+
+def test_moe_pp2_ep2_checkpoint_resumes_in_one_process_and_in_fsdp2(tmp_path):
+    """An MoE's pp 2 x ep 2 run on 4 gloo ranks (each stage's experts split over 2 ranks) saves at step 3; one process
+    and FSDP over 2 ranks each restore it bit for bit and train on with its losses. Chunks of one sample there and
+    micro-batches of one here, so every balancing loss and solve sees the same tokens."""
+    moe = ["model=moe_tiny", "model.moe.num_experts=4", "model.moe.expert_ffn_dim=32"]
+    saving = tmp_path / "pp2_ep2"
+    pp_ep = ["parallel=pp2_fsdp", "parallel.ep=2", "parallel.microbatches=2", f"checkpoint.milestones=[{SAVED_AT}]"]
+    ran = launch(train, 4, str(saving), [*moe, *COMMON, *pp_ep], timeout=420)
+    assert ran == [{"cp": 1, "pp": 2, "ep": 2, "splits_sequences": False}] * 4
+    checkpoint = saving / f"checkpoints/step-{SAVED_AT:08d}"
+    state, whole = consolidated(checkpoint), losses(saving)
+    one_sample = ["train.micro_batch_size=1", f"checkpoint.resume={checkpoint}"]
+    for name, layout, nproc in (("single", "parallel=single", 1), ("fsdp2", "parallel=fsdp", 2)):
+        run, dumps = tmp_path / name, tmp_path / f"{name}_dumps"
+        args = [str(run), str(dumps), [*moe, *COMMON, layout, *one_sample]]
+        if nproc == 1:
+            resume(*args)
+        else:
+            launch(resume, nproc, *args, timeout=420)
+        restored = merged_dumps(dumps)
+        assert_identical(state["model"], restored["model"], f"{name}: model")
+        assert_identical(state["optim"]["state"], restored["optim"], f"{name}: optimizer state")
+        resumed = losses(run)
+        assert sorted(resumed) == list(range(SAVED_AT + 1, STEPS + 1)), name
+        torch.testing.assert_close(
+            [resumed[s] for s in sorted(resumed)], [whole[s] for s in sorted(resumed)], rtol=1e-4, atol=0
         )

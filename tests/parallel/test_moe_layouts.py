@@ -173,26 +173,32 @@ def test_the_products_example_runs_on_four_ranks_like_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_a_tensor_parallel_moe_checkpoint_resumes_in_one_process_and_under_expert_parallelism(tmp_path):
-    """tp2's DCP checkpoint (experts split on their hidden width) read into the whole experts of one process and into
-    ep2 x fsdp's expert shards: steps 3 and 4 continue the tp2 run's curve."""
+    """The product's example layout, tp4_fsdp: its DCP checkpoint (experts split on their hidden width over 4 ranks)
+    read into the whole experts of one process and into ep2 x fsdp's expert shards on 2: steps 3 and 4 continue the
+    tp4 run's curve."""
     common = ["model=moe", "train.steps=4", "train.dtype=fp32", "train.log_every=1", "train.eval_batches=1",
               "train.threads=1"]  # fmt: skip
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    torchrun += ["-m", "forge.train"]
-    saved = tmp_path / "tp2"
+
+    def torchrun(nproc: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+    saved = tmp_path / "tp4"
+    resume = f"checkpoint.resume={saved}/checkpoints/step-00000002"
     runs = {
-        "tp2": [*torchrun, *common, "parallel=tp2", "checkpoint.interval=2", f"hydra.run.dir={saved}"],
-        "one": forge_cmd(*common, "parallel=single", f"checkpoint.resume={saved}/checkpoints/step-00000002"),
-        "ep2_fsdp": [*torchrun, *common, "parallel=ep2_fsdp", f"checkpoint.resume={saved}/checkpoints/step-00000002"],
-    }
+        "tp4": [*torchrun(4), "-m", "forge.train", *common, "parallel=tp4_fsdp", "checkpoint.interval=2",
+                f"hydra.run.dir={saved}"],
+        "one": forge_cmd(*common, "parallel=single", resume),
+        "ep2_fsdp": [*torchrun(2), "-m", "forge.train", *common, "parallel=ep2_fsdp", resume],
+    }  # fmt: skip
     curves = {}
     for name, cmd in runs.items():
         run_dir = tmp_path / name
-        if name != "tp2":
+        if name != "tp4":
             cmd = [*cmd, f"hydra.run.dir={run_dir}"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         curves[name] = losses(run_dir)
-    assert len(curves["tp2"]) == 4 and len(curves["one"]) == len(curves["ep2_fsdp"]) == 2
-    assert curves["one"] == pytest.approx(curves["tp2"][2:], rel=RTOL)
-    assert curves["ep2_fsdp"] == pytest.approx(curves["tp2"][2:], rel=1e-3)  # its own micro-batches' aux losses
+    assert "tensor parallel over 4 ranks" in (saved / "forge.log").read_text()
+    assert len(curves["tp4"]) == 4 and len(curves["one"]) == len(curves["ep2_fsdp"]) == 2
+    assert curves["one"] == pytest.approx(curves["tp4"][2:], rel=RTOL)
+    assert curves["ep2_fsdp"] == pytest.approx(curves["tp4"][2:], rel=1e-3)  # its own micro-batches' aux losses
