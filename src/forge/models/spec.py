@@ -74,6 +74,11 @@ class ModelCost(Protocol):
         them; forge.planning.memory's formula adds norms' upcasts and the head)."""
         ...
 
+    def block_unsplit_bytes(self, args: Any, act_bytes: int) -> float:
+        """Bytes per token that autograd keeps for one block (averaged over the blocks) whole on every tensor-parallel
+        rank, beyond the all-gathered inputs of its matmuls (an MoE layer's routing of the gathered sequence)."""
+        ...
+
     def saved_kv_width(self, args: Any) -> float:
         """Elements per token of one layer's keys and values as attention keeps them (context parallelism gathers
         them from every cp rank)."""

@@ -33,14 +33,17 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
       bytes = 2 under bf16 autocast, 4 in fp32. Under bf16 autocast a norm runs in fp32 and keeps an fp32 copy of
       its input: + 2 x 2 d / tp bytes per block and 2 d / tp before the head. Per block, autograd keeps: the two
       norms' inputs and outputs (4 d), q, k, v and the attention output for SDPA (2 d + 2 kv), the re-laid-out
-      attention output fed to wo (d), and the SwiGLU's w1, w3, silu outputs and their product (4 f). Selective
-      checkpointing is estimated as none.
+      attention output fed to wo (d), and the SwiGLU's w1, w3, silu outputs and their product (4 f). An MoE block
+      also keeps, whole on every tp rank (it routes the gathered sequence), the k token copies in expert order
+      (k d x bytes), their expert outputs in fp32 (4 k d) and the router's fp32 logits, probabilities and scores
+      (12 E bytes; the family's block_unsplit_bytes). Selective checkpointing is estimated as none.
+    With parallel.ep > 1 a rank computes the rows routed to its experts, on average its own tokens' k copies.
     With context parallelism (cp > 1) T is the rank's seq_len / cp tokens, each block also keeps the other cp ranks'
     keys and values (+ 2 kv (cp - 1) per token). Under a dense mask (context parallelism, or document masking or
     a sliding window with SDPA) the boolean micro_batch_size x seq_len / cp x seq_len mask lives through the forward
     and each block's SDPA keeps a copy in the compute dtype (only the recomputed block's under full checkpointing).
     With parallel.defer_grad_sync=true under FSDP (dp_shard x cp > 1) the gradients accumulate unsharded until the
-    last micro-batch: grads 4P x dp_shard x cp (a rank's routed experts 4P x dp_shard / ep under expert
+    last micro-batch: grads 4P x dp_shard x cp (a rank's routed experts 4P x dp_shard / ep x cp under expert
     parallelism: their FSDP group); in a pipeline torch's stage then also keeps the stage's parameters
     unsharded through the step, in place of the 2 gathered blocks.
 """
@@ -172,7 +175,7 @@ def estimate_memory(
     rows = micro_batch_size * in_flight if dense_masks else 1
     sdpa = getattr(args, "attention", "sdpa") == "sdpa"  # flex's BlockMask is (seq / 128)^2 blocks: left out
     mask = rows * seq_len * seq_len / cp if sdpa and (dense_masks or cp > 1) else 0
-    block_bytes = block * act_bytes + 2 * norm_upcast
+    block_bytes = block * act_bytes + 2 * norm_upcast + cost.block_unsplit_bytes(args, act_bytes)
     full = tokens * rank_blocks * block_bytes + head_tokens * head + head_grads
     full += mask * (1 + rank_blocks * act_bytes)
     # full checkpointing: each block's input, then the head's backward, or one chunk's recomputed block beside

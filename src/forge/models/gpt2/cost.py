@@ -39,6 +39,10 @@ class GPT2Cost:
         """9 d + 2 f (see the module docstring)."""
         return 9 * args.dim + 2 * args.hidden_dim
 
+    def block_unsplit_bytes(self, args: GPT2Args, act_bytes: int) -> float:
+        """None: every activation is split under tensor parallelism."""
+        return 0.0
+
     def saved_kv_width(self, args: GPT2Args) -> float:
         """Keys and values, all heads: 2 d."""
         return 2 * args.dim

@@ -90,6 +90,19 @@ def block_activation_elems(args) -> float:
     return 4 * args.dim + 3 * q_width + 2 * args.kv_heads * args.head_size + 4 * ffn_token_width(args)
 
 
+def moe_unsplit_bytes(args, act_bytes: int) -> float:
+    """Per token, what an MoE layer keeps beyond its experts' hidden activations, averaged over the blocks: the k
+    copies of the token in expert order (the grouped GEMMs' input, compute dtype), the k expert outputs in token order
+    (the combine's fp32 input) and the router's logits, probabilities and scores (fp32, one per expert). Under tensor
+    parallelism every rank routes the whole gathered sequence, so none of it is split."""
+    moe = args.moe
+    if moe is None:
+        return 0.0
+    moe_blocks = sum(moe.in_block(i) for i in range(args.n_layers))
+    per_layer = moe.top_k * args.dim * (act_bytes + 4) + 3 * 4 * moe.num_experts
+    return per_layer * moe_blocks / args.n_layers
+
+
 def saved_kv_width(args) -> float:
     """Elements per token of one layer's keys and values as SDPA keeps them (MLA's values padded to the query
     width, forge.models.llama.latent_attention)."""
@@ -132,6 +145,9 @@ class LlamaCost:
 
     def block_activation_elems(self, args: TransformerArgs) -> float:
         return block_activation_elems(args)
+
+    def block_unsplit_bytes(self, args: TransformerArgs, act_bytes: int) -> float:
+        return moe_unsplit_bytes(args, act_bytes)
 
     def saved_kv_width(self, args: TransformerArgs) -> float:
         return saved_kv_width(args)
