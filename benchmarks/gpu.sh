@@ -8,7 +8,8 @@
 #      model compiled by blocks and as one graph (parallel.compile_scope), each without and with CUDA graphs
 #      (parallel.cuda_graphs), and the suite's GPU-only tests
 #   4. (CHUNKED=1) row 1 with loss=chunked_cross_entropy: the 128k-vocab logits never held at once
-#   5-8. with 2 or more GPUs: FSDP with the bf16 policy, async save on NCCL, fp8 + FSDP, a lost NCCL peer
+#   5-10. with 2 or more GPUs: FSDP with the bf16 policy, async save on NCCL, fp8 + FSDP, the small MoE under
+#      tp2 and ep2 x FSDP, a lost NCCL peer
 # First, the trainer's GPU health check (forge.resilience.health.check_device) on the GPU; CUDA or it stops; then
 # the host syncs of a default-model step (benchmarks/train/host_syncs.py: none between log steps). After row 1,
 # forge against transformers, eager and compiled, side by side at dim 256 and 1024 (benchmarks/train/
@@ -220,7 +221,9 @@ fi
 #   6. fsdp2_async_save: the same, async checkpoint every 10 steps on its gloo group while NCCL trains; every
 #      checkpoint must be sealed
 #   7. fsdp2_fp8: float8 linears with float8 all-gathers under FSDP
-#   8. nccl_peer_lost: rank 1 is SIGKILLed mid-run; rank 0 must exit 77 naming it (NCCL async error handling)
+#   8-9. moe_tp2, moe_ep2_fsdp: deepseek_v3_small with its latent attention heads and each expert's width split over
+#      2 GPUs (the product's MoE TP path), and with its experts split over them (the all-to-all on NCCL)
+#   10. nccl_peer_lost: rank 1 is SIGKILLed mid-run; rank 0 must exit 77 naming it (NCCL async error handling)
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 COMMON2=("${COMMON[@]/#train.global_batch_size=*/train.global_batch_size=$((2 * MICRO))}")  # MICRO per rank
 torchrun2() {
@@ -246,6 +249,8 @@ if [ "$GPUS" -ge 2 ]; then
     if "$PY" -c "import torchao" 2>/dev/null; then
         torchrun2 fsdp2_fp8 model=llama3_1b parallel=fsdp parallel.fp8=true || failed=1
     fi
+    torchrun2 moe_tp2 model=deepseek_v3_small parallel=tp2 || failed=1
+    torchrun2 moe_ep2_fsdp model=deepseek_v3_small parallel=ep2_fsdp || failed=1
     "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 -m forge.train model=llama3_1b parallel=fsdp \
         "${COMMON2[@]/#train.steps=*/train.steps=1000}" resilience.collective_timeout_s=60 "hydra.run.dir=$OUT/nccl_peer_lost" \
         >"$OUT/nccl_peer_lost.log" 2>&1 &
@@ -260,7 +265,7 @@ if [ "$GPUS" -ge 2 ]; then
         failed=1
     fi
 else
-    echo "=== multi-GPU checks (FSDP policy, async save on NCCL, fp8 + FSDP, NCCL peer lost): skipped, $GPUS GPU(s)"
+    echo "=== multi-GPU checks (FSDP policy, async save on NCCL, fp8 + FSDP, MoE tp2 and ep2, NCCL peer lost): skipped, $GPUS GPU(s)"
 fi
 
 "$PY" - "$OUT" "${RUNS[@]}" <<'EOF'
