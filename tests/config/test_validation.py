@@ -71,6 +71,21 @@ CASES = [
         ["parallel.ep=4 must divide parallel.dp_shard=2", "data-parallel world size 4"],
     ),
     (["parallel=ep2_fsdp", "model=llama_tiny", "train.micro_batch_size=4"], 2, ["the model is dense"]),
+    (
+        ["parallel=ep2_fsdp", "model=moe", "parallel.ep_spans_tp=true", "train.micro_batch_size=4"],
+        2,
+        ["parallel.ep_spans_tp=true needs parallel.ep=2 to be a multiple of parallel.tp=1 > 1"],
+    ),
+    (
+        ["parallel=tp2_fsdp", "model=moe", "parallel.ep=3", "parallel.ep_spans_tp=true", "model.moe.num_experts=6"],
+        4,
+        ["parallel.ep=3 to be a multiple of parallel.tp=2"],
+    ),
+    (
+        ["parallel=tp2_fsdp", "model=moe", "parallel.ep=8", "parallel.ep_spans_tp=true"],
+        4,
+        ["parallel.ep=8 / parallel.tp=2 must divide parallel.dp_shard=2"],
+    ),
     (["model=moe", "model.moe.aux_loss_scope=batch"], 1, ["model.moe.aux_loss_scope='batch'"]),
     (["model=moe", "model.moe.top_k=9"], 1, ["model.moe.top_k=9"]),
     (["model=moe", "model.moe.router=hash"], 1, ["model.moe.router='hash'"]),

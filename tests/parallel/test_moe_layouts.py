@@ -2,8 +2,9 @@
 models under context parallelism (their balancing counts summed over the cp ranks), train like one process: the
 product's own example, `torchrun --nproc_per_node=4 -m forge.train model=moe parallel=tp4_fsdp`; tp2 / tp2 x fsdp2
 with the router kinds, aux-loss scopes, shared experts, capacity limits, activation checkpointing and
-deepseek_v3_small's latent attention (with and without the query's low-rank pair, and with ep2); cp2 / cp2 x fsdp2
-with each aux-loss scope, cp2 x ep2 (and under HSDP); ep2 with selective checkpointing; on real gloo ranks.
+deepseek_v3_small's latent attention (with and without the query's low-rank pair, and with ep2); ep spanning the tp
+ranks (parallel.ep_spans_tp: whole experts over tp x dp_shard ranks); cp2 / cp2 x fsdp2 with each aux-loss scope,
+cp2 x ep2 (and under HSDP); ep2 with selective checkpointing; on real gloo ranks.
 
 The reference runs the same micro-batches in one process: a micro_batch aux loss is each micro-batch's, so a layout
 with 2 data-parallel ranks of 4 samples is compared with one process accumulating 2 micro-batches of 4. The same
@@ -51,6 +52,10 @@ TWO_RANKS = {
     ),
     "latent_tp2": (LATENT, ["parallel=tp2", "train.micro_batch_size=8"], 8),
     "cp2": (SIGN, ["parallel=cp2", "train.micro_batch_size=8"], 8),
+    # ep spanning the tp ranks: whole experts, each tp rank sends half of every expert's rows
+    "tp2_ep2_spans_tp": (
+        [], ["parallel=tp2", "parallel.ep=2", "parallel.ep_spans_tp=true", "train.micro_batch_size=8"], 8
+    ),
     # the experts' FSDP hooks run inside the checkpointed block (forge.parallel.plan.selective_contexts)
     "ep2_ac_selective": (
         [], ["parallel=ep2_fsdp", "train.micro_batch_size=4", "parallel.activation_checkpoint=selective"], 4
@@ -77,6 +82,16 @@ FOUR_RANKS = {
     "tp2_ep2_sigmoid_shared_global": (SIGMOID, ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 8),
     # ep over the dp_shard ranks of one cp index; the experts' FSDP group spans their cp peers (who route other
     # positions of the same sequences to them)
+    "tp2_fsdp_ep4_spans_tp": (
+        [],
+        ["parallel=tp2_fsdp", "parallel.ep=4", "parallel.ep_spans_tp=true", "train.micro_batch_size=4"],
+        4,
+    ),
+    "latent_tp2_fsdp_ep2_spans_tp": (
+        LATENT,
+        ["parallel=tp2_fsdp", "parallel.ep=2", "parallel.ep_spans_tp=true", "train.micro_batch_size=4"],
+        4,
+    ),
     "latent_tp2_ep2": (LATENT, ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 4),
     "cp2_ep2": (SIGN, ["parallel=cp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 4),
 }
@@ -132,6 +147,8 @@ def assert_same_curves(got: dict, want: dict) -> None:
 def test_two_rank_moe_layouts_match_one_process(name, two_rank_curves, reference_curves):
     run = two_rank_curves[name]
     assert run["wq_placements"] == ["S(0)"]  # a parallel plan was applied (tp's rows, or FSDP's over dp x cp)
+    if "ep2" in name:
+        assert run["local_params"] < 0.6 * run["params"]  # the experts are split, not copied
     assert_same_curves(run, reference_curves[f"ref_{name}"])
 
 

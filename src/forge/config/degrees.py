@@ -13,6 +13,13 @@ class Degrees:
     pp: int
     ep: int
     cp: int = 1
+    ep_spans_tp: bool = False
+    """parallel.ep_spans_tp: the ep ranks are ep / tp dp_shard ranks times the tp ranks."""
+
+    @property
+    def ep_data(self) -> int:
+        """The dp_shard ranks expert parallelism borrows (ep, or ep / tp when it spans the tp ranks too)."""
+        return self.ep // self.tp if self.ep_spans_tp else self.ep
 
     @property
     def dp(self) -> int:
@@ -30,7 +37,7 @@ class Degrees:
         """Ranks FSDP shards one rank's experts over (without ep, all its experts are sharded like the rest): the
         dp_shard / ep ranks that hold the same experts, times cp (context-parallel peers route other tokens to
         them)."""
-        return self.dp_shard // self.ep * self.cp
+        return self.dp_shard // self.ep_data * self.cp
 
     @property
     def token_ranks(self) -> int:
@@ -66,7 +73,7 @@ def resolve_degrees(parallel, world_size: int) -> Degrees:
                 + " x ".join(f"parallel.{k}={v}" for k, v in sizes.items() if v != -1)
             )
         sizes[free[0]] = world_size // fixed
-    degrees = Degrees(ep=int(parallel.ep), **sizes)
+    degrees = Degrees(ep=int(parallel.ep), ep_spans_tp=bool(parallel.get("ep_spans_tp", False)), **sizes)
     if degrees.world_size != world_size:
         raise ConfigError(
             "the product of the parallel degrees "

@@ -92,6 +92,11 @@ class ParallelConfig:
     interleaved_zb, zbv and dualpipev)."""
     ep: int = domain(1, ge=1)
     """Expert-parallel degree (MoE models only); experts must divide evenly."""
+    ep_spans_tp: bool = False
+    """Expert parallelism spans the tensor-parallel ranks as well as dp_shard (torchtitan's expert tensor-parallel
+    degree 1): the ep ranks are ep / tp dp_shard ranks times the tp ranks, each holding whole experts, and each tp
+    rank sends 1/tp of every expert's rows. false: ep borrows dp_shard ranks only, and under tp every expert's hidden
+    width is split over the tp ranks."""
     ep_chunks: int = domain(1, ge=1)
     """Parts each MoE layer's tokens travel in under expert parallelism: part i + 1's all-to-all runs while part
     i's experts compute (and part i's outputs travel back during part i + 1's); 1 sends them all at once."""

@@ -59,6 +59,7 @@ FEATURES = {
     "tp x cp x pp": Feature(("parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.dp_shard=1"), 8),
     "pp x ep x FSDP": Feature(("parallel=pp2_fsdp", "parallel.ep=2"), 4),
     "tp x ep": Feature(("parallel=tp2_fsdp", "parallel.ep=2"), 4),
+    "ep spanning tp": Feature(("parallel=tp2", "parallel.ep=2", "parallel.ep_spans_tp=true"), 2),
     "cp x ep": Feature(("parallel=cp2_fsdp", "parallel.ep=2"), 4),
     "ep x activation checkpointing (selective)": Feature(
         ("parallel=ep2_fsdp", "parallel.activation_checkpoint=selective"), 2

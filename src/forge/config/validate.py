@@ -196,10 +196,19 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
             f"parallel.ep={degrees.ep} needs an MoE model (model.moe is null: the model is dense, it has no experts "
             "to split; use model=moe_tiny or another MoE preset, or parallel.ep=1)",
         )
+        if degrees.ep_spans_tp:
+            require(
+                degrees.tp > 1 and degrees.ep % degrees.tp == 0,
+                f"parallel.ep_spans_tp=true needs parallel.ep={degrees.ep} to be a multiple of parallel.tp="
+                f"{degrees.tp} > 1 (the ep ranks are ep / tp dp_shard ranks times the tp ranks)",
+            )
         require(
-            degrees.dp_shard % degrees.ep == 0,
+            degrees.dp_shard % degrees.ep_data == 0,
             f"parallel.ep={degrees.ep} must divide parallel.dp_shard={degrees.dp_shard} (expert parallelism borrows "
-            f"ranks from the data-parallel shard dimension; data-parallel world size {degrees.dp})",
+            f"ranks from the data-parallel shard dimension; data-parallel world size {degrees.dp})"
+            if not degrees.ep_spans_tp
+            else f"parallel.ep={degrees.ep} / parallel.tp={degrees.tp} must divide parallel.dp_shard="
+            f"{degrees.dp_shard} (parallel.ep_spans_tp=true: ep borrows ep / tp dp_shard ranks)",
         )
         require(
             moe.num_experts % degrees.ep == 0,

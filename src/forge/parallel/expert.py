@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from forge.models.common.moe import moe_layers
-from forge.models.common.moe.dispatch import ExpertCompute
+from forge.models.common.moe.dispatch import ExpertCompute, inverse, permute_rows
 from forge.parallel.mesh import token_mesh
 
 
@@ -93,6 +93,44 @@ class ExpertParallelDispatch:
         by_expert = torch.argsort(owner, stable=True)
         out = experts(received[by_expert], recv.sum(dim=0), local_part)
         return torch.empty_like(out).index_copy(0, by_expert, out)
+
+
+class SplitRowsOverTp:
+    """MoE `dispatch` under expert parallelism spanning the tensor-parallel ranks (parallel.ep_spans_tp).
+
+    Every tp rank routes the same tokens (the layer gathers the sequence first); rank t of the tp group sends part t
+    of each expert's rows (its rows split in order, as evenly as they go) through `inner`, which treats the other
+    parts as dropped rows (zero outputs, nothing sent). Each rank's outputs are thus partial, and the layer sums
+    them over the tp ranks (its reduce-scatter back along the sequence), as it sums width-split experts' partial
+    sums. Every row is computed once in the tp group; no host sync beyond `inner`'s."""
+
+    def __init__(self, inner: ExpertParallelDispatch, tp_rank: int, tp: int):
+        self.inner, self.tp_rank, self.tp = inner, tp_rank, tp
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: ExpertCompute) -> torch.Tensor:
+        rows = torch.arange(x.shape[0], device=x.device)
+        ends = counts.cumsum(0)
+        expert = torch.bucketize(rows, ends, right=True).clamp(max=counts.numel() - 1)
+        position = rows - (ends - counts)[expert]
+        part = ((position + 1) * self.tp - 1) // counts[expert].clamp(min=1)
+        mine = (part == self.tp_rank) & (rows < ends[-1])
+        order = torch.argsort((~mine).to(torch.int8), stable=True)  # my rows first, still grouped by expert
+        bounds = counts * torch.arange(self.tp + 1, device=counts.device).unsqueeze(1) // self.tp
+        out = self.inner(
+            permute_rows(x, order, inverse(order)), bounds[self.tp_rank + 1] - bounds[self.tp_rank], experts
+        )
+        return permute_rows(out, inverse(order), order)
+
+
+def whole_expert_widths(model: nn.Module) -> None:
+    """Undo tensor parallelism's split of the routed experts' hidden widths (their DTensors over tp become whole
+    tensors: shapes only on the meta device), for expert parallelism over the tp ranks."""
+    for _, layer in moe_layers(model):
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(layer.experts, name).detach()
+            if isinstance(weight, DTensor):
+                whole = torch.empty(weight.shape, dtype=weight.dtype, device="meta") if weight.is_meta else None
+                setattr(layer.experts, name, nn.Parameter(whole if whole is not None else weight.full_tensor()))
 
 
 def apply_expert_parallel(model: nn.Module, ep: dist.ProcessGroup | DeviceMesh, chunks: int = 1) -> nn.Module:

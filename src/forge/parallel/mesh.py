@@ -19,7 +19,9 @@ def mesh_shape(degrees: Degrees) -> dict[str, int]:
     (dp_replicate, dp_shard=1) mesh: replicated parameters and all-reduced gradients, like DDP.
     With ep > 1, dp_shard becomes (dp_shard_mod_ep = dp_shard / ep, ep), the first kept at size 1 too: expert
     weights are sharded over ep and FSDP-sharded over dp_shard_mod_ep (replicated when that is 1); `build_mesh`
-    flattens the two back into dp_shard for the other weights.
+    flattens the two back into dp_shard for the other weights. When ep spans the tp ranks (parallel.ep_spans_tp)
+    the ep dimension holds ep / tp of the dp_shard ranks, and `build_mesh` flattens it with tp into the experts'
+    group (ep_tp).
     """
     sizes = {
         "pp": degrees.pp,
@@ -31,10 +33,10 @@ def mesh_shape(degrees: Degrees) -> dict[str, int]:
     keep = {name: size for name, size in sizes.items() if size > 1}
     if degrees.dp_replicate > 1 and "dp_shard" not in keep:
         keep["dp_shard"] = 1
-    if degrees.ep > 1:
+    if degrees.ep > 1 and "dp_shard" in keep:  # (not when ep spans only the tp ranks of a tp-only run)
         del keep["dp_shard"]
-        keep["dp_shard_mod_ep"] = degrees.dp_shard // degrees.ep
-        keep["ep"] = degrees.ep
+        keep["dp_shard_mod_ep"] = degrees.dp_shard // degrees.ep_data
+        keep["ep"] = degrees.ep_data  # with ep_spans_tp (size 1 when ep = tp), build_mesh flattens it with tp
     return {name: keep[name] for name in MESH_DIMS if name in keep}
 
 
@@ -49,6 +51,8 @@ def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh | None:
     flattened: dict[tuple[str, ...], DeviceMesh] = {}
     if "ep" in shape:
         flattened["dp_shard",] = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    if degrees.ep_spans_tp and degrees.ep > 1:  # the expert-parallel group: ep / tp dp_shard ranks x the tp ranks
+        flattened["ep_tp",] = mesh["ep", "tp"]._flatten("ep_tp") if "ep" in shape else mesh["tp"]
     dp_dims = dp_dim_names(mesh)
     if len(dp_dims) > 1:
         flattened["dp",] = mesh[dp_dims]._flatten("dp")

@@ -31,7 +31,14 @@ from forge.models.common.moe import moe_layers
 from forge.models.spec import spec_of
 from forge.parallel.applied import Applied, logged
 from forge.parallel.context_parallel import apply_context_parallel
-from forge.parallel.expert import local_part, shard_experts, sum_load_over, sum_sequence_counts_over
+from forge.parallel.expert import (
+    SplitRowsOverTp,
+    local_part,
+    shard_experts,
+    sum_load_over,
+    sum_sequence_counts_over,
+    whole_expert_widths,
+)
 from forge.parallel.mesh import expert_fsdp_mesh, has_dp_shard, submesh, token_mesh
 
 # Selective checkpointing keeps these ops' outputs and recomputes the cheap rest (norms, activations, rope).
@@ -88,13 +95,25 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, degrees: Degrees, 
     """Split every MoE layer's experts over the `ep` mesh dimension (borrowed from dp_shard, as in torchtitan),
     tokens moving to their experts and back by all-to-all in `chunks` overlapped parts. Router, attention and shared
     experts stay dense (under tp, split as without ep; the routed experts' widths stay split over tp too)."""
-    layers = shard_experts(model, mesh["ep"], mesh["ep", "tp"] if degrees.tp > 1 else None, chunks)
+    if degrees.ep_spans_tp:  # whole experts over (ep / tp dp_shard ranks) x tp; each tp rank sends 1/tp of the rows
+        whole_expert_widths(model)
+        layers = shard_experts(model, submesh(mesh, "ep_tp"), None, chunks)
+        tp_mesh = mesh["tp"]
+        for _, layer in moe_layers(model):
+            layer.dispatch = SplitRowsOverTp(layer.dispatch, tp_mesh.get_local_rank(), tp_mesh.size())
+        borrowed = (
+            f"{degrees.ep_data} of dp_shard={degrees.dp_shard} x tp={degrees.tp}; experts whole, each tp rank "
+            f"sending 1/{degrees.tp} of every expert's rows"
+        )
+    else:
+        layers = shard_experts(model, mesh["ep"], mesh["ep", "tp"] if degrees.tp > 1 else None, chunks)
+        borrowed = f"from dp_shard={degrees.dp_shard}"
     if not layers:
         raise ValueError(f"parallel.ep={degrees.ep} but the model has no MoE layer")
     num_experts = moe_layers(model)[0][1].args.num_experts
     detail = (
-        f"expert parallel over {degrees.ep} ranks (ep borrows from dp_shard={degrees.dp_shard}): {layers} MoE "
-        f"layers, {num_experts // degrees.ep} of {num_experts} experts per rank, tokens in {chunks} overlapped parts"
+        f"expert parallel over {degrees.ep} ranks (ep borrows {borrowed}): {layers} MoE layers, "
+        f"{num_experts // degrees.ep} of {num_experts} experts per rank, tokens in {chunks} overlapped parts"
     )
     return logged(Applied("ep", detail, {"ep": degrees.ep}))
 

@@ -84,6 +84,8 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         lines.append(f"mesh: {mesh_shape(degrees) or 'none (one process)'}")
         if degrees.ep > 1:
             lines[-1] += f" (non-expert weights: dp_shard={degrees.dp_shard} = dp_shard_mod_ep x ep, flattened)"
+            if degrees.ep_spans_tp:
+                lines[-1] += f"; the experts' group: ep x tp = {degrees.ep}"
         parts = [model]
         if degrees.pp > 1:
             n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
@@ -249,8 +251,9 @@ def _expert_line(args, degrees: Degrees, model, local: int, local_experts: int) 
     experts = sum(layer.experts.w1.numel() * 3 for _, layer in moe_layers(model))  # global shapes, DTensor or not
     num = args.moe.num_experts
     where = (
-        f"ep={degrees.ep} (borrowed from dp_shard={degrees.dp_shard}; each expert's weights FSDP-sharded over "
-        f"{'(dp_shard / ep) x cp' if degrees.cp > 1 else 'dp_shard / ep'} = {degrees.expert_shard} rank(s)), "
+        f"ep={degrees.ep} (borrowed from dp_shard={degrees.dp_shard}"
+        f"{f' and tp={degrees.tp}' if degrees.ep_spans_tp else ''}; each expert's weights FSDP-sharded over "
+        f"{degrees.expert_shard} rank(s)), "
         f"{num // degrees.ep} of {num} experts per rank"
         if degrees.ep > 1
         else f"no expert parallelism (parallel.ep=1): all {num} experts on every rank, sharded like dense weights"
