@@ -177,4 +177,6 @@ def test_every_candidate_is_a_layout_validation_accepts():
     one_each = {(p.layout.degrees_tuple(), p.layout.pp_schedule): p for p in fitting}.values()  # of each layout
     assert [valid(cfg, p) for p in one_each] == [None] * len(one_each)
     degrees = {(p.layout.tp > 1, p.layout.pp > 1, p.layout.cp > 1, p.layout.ep > 1) for p in fitting}
-    assert {(False, True, True, False), (True, True, True, False), (True, True, False, True)} <= degrees
+    # (tp, pp, cp, ep) > 1: pp x cp, tp x pp x cp, tp x ep, pp x ep, cp x ep, tp x pp x ep
+    wanted = {(0, 1, 1, 0), (1, 1, 1, 0), (1, 0, 0, 1), (0, 1, 0, 1), (0, 0, 1, 1), (1, 1, 0, 1)}
+    assert {tuple(map(bool, w)) for w in wanted} <= degrees

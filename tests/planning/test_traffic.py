@@ -39,6 +39,7 @@ LAYOUTS = {  # preset -> the same layout as the search writes it
     "cp2_fsdp_moe": Layout(1, 2, 1, 1, 1, "none", 1, cp=2),  # the experts sharded over dp_shard x cp as the rest
     "cp2_ep2_moe": Layout(1, 2, 1, 1, 2, "none", 1, cp=2),  # the experts' FSDP group: (dp_shard / ep) x cp = 2
     "pp2_ep2_moe": Layout(1, 2, 1, 2, 2, "none", 4, "1f1b", 4),  # rank 0's stage: its blocks' all-to-alls
+    "tp2_ep2_moe": Layout(1, 2, 2, 1, 2, "none", 1),  # the all-to-all between the ranks of one tp index
 }
 MODEL = {
     "ep2_fsdp": ["model=moe_tiny"],
@@ -46,11 +47,12 @@ MODEL = {
     "cp2_fsdp_moe": ["model=moe_tiny"],
     "cp2_ep2_moe": ["model=moe_tiny", "parallel.ep=2"],
     "pp2_ep2_moe": ["model=moe_tiny", "parallel.ep=2"],
+    "tp2_ep2_moe": ["model=moe_tiny", "parallel.ep=2"],
     "cp2_fsdp_selective": ["parallel.activation_checkpoint=selective"],
 }
 """The MoE layout trains the default MoE (8 experts, top 2) at the tiny width; other extra overrides."""
 PRESET = {"cp2_fsdp_selective": "cp2_fsdp", "tp2_fsdp_moe": "tp2_fsdp", "cp2_fsdp_moe": "cp2_fsdp"}
-PRESET |= {"cp2_ep2_moe": "cp2_fsdp", "pp2_ep2_moe": "pp2_fsdp"}
+PRESET |= {"cp2_ep2_moe": "cp2_fsdp", "pp2_ep2_moe": "pp2_fsdp", "tp2_ep2_moe": "tp2_fsdp"}
 """The parallel preset of a layout not named after one."""
 MICRO = {
     "pp2_fsdp": [],
