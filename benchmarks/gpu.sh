@@ -222,16 +222,20 @@ fi
 #      checkpoint must be sealed
 #   7. fsdp2_fp8: float8 linears with float8 all-gathers under FSDP
 #   8-9. moe_tp2, moe_ep2_fsdp: deepseek_v3_small with its latent attention heads and each expert's width split over
-#      2 GPUs (the product's MoE TP path), and with its experts split over them (the all-to-all on NCCL)
+#      2 GPUs (the product's MoE TP path), and with its experts split over them (the all-to-all on NCCL);
+#      tp2_async: the 1B model under tp2 with async TP (compiled, micro-pipelined over symmetric memory); with 4 or
+#      8 GPUs, tp2_pp2_fsdp: the 3-D layout (tp 2 in each of 2 stages, x FSDP over the rest)
 #   10. nccl_peer_lost: rank 1 is SIGKILLed mid-run; rank 0 must exit 77 naming it (NCCL async error handling)
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 COMMON2=("${COMMON[@]/#train.global_batch_size=*/train.global_batch_size=$((2 * MICRO))}")  # MICRO per rank
-torchrun2() {
-    local name=$1
+torchrun2() { NPROC=2 torchrun_n "$@"; }
+torchrun_n() {
+    local name=$1 nproc=${NPROC:-2}
     shift
-    local args=("$@" "${COMMON2[@]}" "hydra.run.dir=$OUT/$name")
-    echo "=== $name: torchrun --nproc_per_node=2 -m forge.train ${args[*]}"
-    timeout -k 10 "${RUN_TIMEOUT:-420}" "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+    local args=("$@" "${COMMON2[@]/#train.global_batch_size=*/train.global_batch_size=$((nproc * MICRO))}"
+                "hydra.run.dir=$OUT/$name")
+    echo "=== $name: torchrun --nproc_per_node=$nproc -m forge.train ${args[*]}"
+    timeout -k 10 "${RUN_TIMEOUT:-420}" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
         -m forge.train "${args[@]}" >"$OUT/$name.log" 2>&1
     local code=$?
     echo "$code" >"$OUT/$name.exit"
@@ -251,6 +255,10 @@ if [ "$GPUS" -ge 2 ]; then
     fi
     torchrun2 moe_tp2 model=deepseek_v3_small parallel=tp2 || failed=1
     torchrun2 moe_ep2_fsdp model=deepseek_v3_small parallel=ep2_fsdp || failed=1
+    torchrun2 tp2_async model=llama3_1b parallel=tp2 parallel.compile=true parallel.async_tp=true || failed=1
+    if [ "$GPUS" -ge 4 ]; then  # 3-D: tp 2 inside each of 2 pipeline stages (x FSDP 2 on 8)
+        NPROC=$((GPUS >= 8 ? 8 : 4)) torchrun_n tp2_pp2_fsdp model=llama3_1b parallel=tp2_pp2_fsdp || failed=1
+    fi
     "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 -m forge.train model=llama3_1b parallel=fsdp \
         "${COMMON2[@]/#train.steps=*/train.steps=1000}" resilience.collective_timeout_s=60 "hydra.run.dir=$OUT/nccl_peer_lost" \
         >"$OUT/nccl_peer_lost.log" 2>&1 &

@@ -71,6 +71,13 @@ CASES = [
         ["parallel.ep=4 must divide parallel.dp_shard=2", "data-parallel world size 4"],
     ),
     (["parallel=ep2_fsdp", "model=llama_tiny", "train.micro_batch_size=4"], 2, ["the model is dense"]),
+    (["parallel.async_tp=true"], 1, ["parallel.async_tp=true with parallel.tp=1"]),
+    (["parallel=tp2", "parallel.async_tp=true"], 2, ["parallel.async_tp=true with parallel.compile=false"]),
+    (
+        ["parallel=tp2", "parallel.async_tp=true", "parallel.compile=true", "train.device=cpu"],
+        2,
+        ["parallel.async_tp=true with train.device=cpu (symmetric memory needs CUDA GPUs"],
+    ),
     (
         ["parallel=ep2_fsdp", "model=moe", "parallel.ep_spans_tp=true", "train.micro_batch_size=4"],
         2,

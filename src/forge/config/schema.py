@@ -127,6 +127,11 @@ class ParallelConfig:
     activations of each recorded graph (training and evaluation are recorded apart), which --plan does not
     count; a change of shape or of which parameters train (a freeze schedule) records new graphs; inputs are
     copied into the graphs' buffers at each replay (a dense document mask too)."""
+    async_tp: bool = False
+    """Asynchronous tensor parallelism (torchtitan's): inductor splits each tensor-parallel matmul and its
+    all-gather or reduce-scatter into pieces over symmetric memory, so the communication overlaps the compute
+    (torch._inductor.config._micro_pipeline_tp). Needs parallel.tp > 1, parallel.compile=true and CUDA GPUs
+    (NCCL); refused on a CPU."""
     fp8: bool = False
     """Float8 training of linear layers through torchao (needs a GPU with fp8, or runs slowly on CPU)."""
     world_size: Optional[int] = domain(None, ge=1, means="null: from the environment")

@@ -450,6 +450,24 @@ def validate_compile_scope(cfg: DictConfig, degrees: Degrees) -> None:
     )
 
 
+def validate_async_tp(cfg: DictConfig, degrees: Degrees) -> None:
+    """parallel.async_tp: inductor's micro-pipelined tensor parallelism runs in compiled code on CUDA symmetric
+    memory only."""
+    parallel = cfg.parallel
+    if not parallel.async_tp:
+        return
+    device = cfg.train.device
+    refused = {
+        f"parallel.tp={degrees.tp} (there is no tensor-parallel matmul to overlap; set parallel.tp > 1)": degrees.tp
+        == 1,
+        "parallel.compile=false (inductor does the splitting; set parallel.compile=true)": not parallel.compile,
+        f"train.device={device} (symmetric memory needs CUDA GPUs; use parallel.async_tp=false on a CPU)": (
+            device == "cpu" or not cuda_available()
+        ),
+    }
+    _refuse_each(refused, "parallel.async_tp=true with {what} is not supported")
+
+
 def validate_cuda_graphs(cfg: DictConfig, degrees: Degrees) -> None:
     """parallel.cuda_graphs replays the compiled blocks of a dense model in one GPU process (forge.parallel.plan
     .apply_compile); the paths it has not run are refused."""
@@ -513,6 +531,7 @@ def check_rules(cfg: DictConfig, degrees: Degrees) -> None:
     validate_model(cfg, degrees)
     validate_compile_scope(cfg, degrees)
     validate_cuda_graphs(cfg, degrees)  # before validate_train's device check: each refusal names its own key
+    validate_async_tp(cfg, degrees)
     validate_train(cfg, degrees)
     validate_parallel(cfg, degrees)
     validate_context_parallel(cfg, degrees)

@@ -83,6 +83,8 @@ def parallelize(
     if parallel_cfg.activation_checkpoint != "none":
         applied.append(apply_activation_checkpointing(model, parallel_cfg.activation_checkpoint))
     if parallel_cfg.compile:
+        if parallel_cfg.get("async_tp"):
+            applied.append(apply_async_tp(degrees))
         applied.append(apply_compile(model, parallel_cfg.cuda_graphs, parallel_cfg.compile_scope))
     shard_mesh = fsdp_mesh(mesh)
     if shard_mesh is not None:
@@ -217,6 +219,16 @@ class _ReplayKeptOps(_CachedTorchDispatchMode):
         if func not in SAVE_OPS and not _is_compiling(func, args, kwargs):  # traced graphs keep torch's marking
             return func(*args, **kwargs)
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def apply_async_tp(degrees: Degrees) -> Applied:
+    """Asynchronous TP: inductor micro-pipelines each tensor-parallel matmul with its collective over CUDA symmetric
+    memory (validation allows it only with tp > 1, compile and CUDA)."""
+    import torch._inductor.config
+
+    torch._inductor.config._micro_pipeline_tp = True
+    detail = f"async tensor parallelism over {degrees.tp} ranks (inductor's micro-pipelined matmuls and collectives)"
+    return logged(Applied("async_tp", detail, {"tp": degrees.tp}))
 
 
 def apply_compile(model: nn.Module, cuda_graphs: bool = False, scope: str = CompileScope.blocks) -> Applied:
