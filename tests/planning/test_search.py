@@ -25,9 +25,10 @@ def test_rows_are_the_fastest_layouts_validation_accepts():
     in the predicted order, and the refused ones (tensor-parallel MoE under compile, among others) never appear."""
     cfg = searched("model=moe_tiny", "parallel.world_size=8", "search.top=6", "parallel.compile=true")
     fitting, considered, _ = search(cfg.copy())
-    accepted = [p for p in fitting if valid(cfg, p) is None]
+    refusals = [valid(cfg, p) for p in fitting]
+    accepted = [p for p, refusal in zip(fitting, refusals) if refusal is None]
     assert len(accepted) < len(fitting) <= considered  # some candidates are refused
-    refused = [p.layout for p in fitting if valid(cfg, p) is not None]
+    refused = [p.layout for p, refusal in zip(fitting, refusals) if refusal is not None]
     assert any(layout.tp > 1 for layout in refused) and all(
         layout.tp == 1 for layout in map(lambda p: p.layout, accepted)
     )

@@ -27,7 +27,8 @@ def last_loss(run_dir: Path) -> float:
 
 
 def test_overfit_drives_one_batchs_loss_towards_zero(tmp_path):
-    batch = ("train.global_batch_size=4", "train.micro_batch_size=4")  # the preset at any batch; a small one is quick
+    # the preset at any batch; a small one of short sequences is quick
+    batch = ("train.global_batch_size=4", "train.micro_batch_size=4", "train.seq_len=64")
     done = forge_train("debug=overfit", "train.log_every=20", *batch, run_dir=tmp_path / "one")
     assert done.returncode == 0, done.stderr[-2000:]
     assert last_loss(tmp_path / "one") < 0.5

@@ -302,7 +302,8 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         if layout.pp > 1:
             # activations forward from every stage but the last, their gradients back from every one but the first
             boundaries = sum((s != n_stages - 1) + (s != 0) for s in mine)
-            moved["pp"] = boundaries * tokens_rank * args.dim * act_bytes
+            # under tp a stage sends its sequence-sharded part of the activations: 1/tp of them
+            moved["pp"] = boundaries * tokens_rank * args.dim * act_bytes / layout.tp
             seconds, lat = links.seconds("pp", moved["pp"], boundaries * n_micro * layout.microbatches)
             if args.tie_embeddings and (first or last):  # the embedding's gradient, summed with the other end
                 moved["tied_embedding"] = 4 * shape.embedding / layout.tp / shard
