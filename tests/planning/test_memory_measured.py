@@ -3,7 +3,7 @@ on real gloo ranks training with the real Trainer (forge.metrics.memory.peak_liv
 chunk's logit gradients at a time), 1F1B (each rank's own in-flight chunks, one at the head; the run's closing
 evaluation kept every chunk's logits and their concatenation, 0.82, until it asked torch's schedule for no
 outputs), DDP (one micro-batch: the gradients come as the backward frees the activations; FSDP2's gather copies
-of the replicas), TP (the logits split over the vocabulary), TP of an MoE, tp2 x pp2 on 4 ranks and the zero-bubble
+of the replicas), TP (the logits split over the vocabulary), TP of an MoE, tp2 x pp2 on 4 ranks, tp2 x pp2 x FSDP 2 on 8, MoE layouts on 4 and the zero-bubble
 schedules (their deferred weight gradients keep about pp chunks alive). Within 15 %, the search issue's bound;
 benchmarks/search/predict_vs_measured.py does all ten layouts of its table."""
 
@@ -33,6 +33,7 @@ LAYOUTS = {
     "tp2": Layout(1, 1, 2, 1, 1, "none", 8),
     "tp2_moe": Layout(1, 1, 2, 1, 1, "none", 8),
     "tp2_pp2": Layout(1, 1, 2, 2, 1, "none", 16, "1f1b", 4),  # 4 ranks; measured 0.98
+    "tp2_pp2_fsdp2": Layout(1, 2, 2, 2, 1, "none", 8, "1f1b", 4),  # 8 forked ranks; measured 1.05
     "pp2_zbv": Layout(1, 1, 1, 2, 1, "none", 16, "zbv", 4),  # measured 0.99
     "pp2_interleaved_zb": Layout(1, 1, 1, 2, 1, "none", 16, "interleaved_zb", 4),  # measured 1.03
     # MoE layouts on 4 ranks, measured 0.97, 1.02, 0.95 (0.81, 0.92, 0.88 before the estimate counted the routing's
