@@ -41,7 +41,7 @@ RUN = ["train.global_batch_size=16", "train.dtype=fp32", "train.log_every=1", "t
 
 def layouts(ranks: int) -> dict[str, Layout]:
     half = ranks // 2
-    return {
+    rows = {
         "fsdp": Layout(1, ranks, 1, 1, 1, "none", 4),
         "fsdp_full_ac": Layout(1, ranks, 1, 1, 1, "full", 4),
         "hsdp": Layout(2, half, 1, 1, 1, "none", 4),
@@ -52,7 +52,9 @@ def layouts(ranks: int) -> dict[str, Layout]:
         "pp2_1f1b": Layout(1, half, 1, 2, 1, "none", 8, "1f1b", 4),
         "pp2_gpipe": Layout(1, half, 1, 2, 1, "none", 8, "gpipe", 4),
         "pp2_interleaved": Layout(1, half, 1, 2, 1, "none", 8, "interleaved_1f1b", 4),
+        "tp2_pp2": Layout(1, ranks // 4, 2, 2, 1, "none", 16 // (ranks // 4), "1f1b", 4),  # x FSDP from 8 ranks
     }
+    return rows
 
 
 def torchrun(ranks: int, args: list[str], run_dir: Path, script: list[str] | None = None):
