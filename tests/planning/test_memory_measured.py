@@ -3,9 +3,10 @@ on real gloo ranks training with the real Trainer (forge.metrics.memory.peak_liv
 chunk's logit gradients at a time), 1F1B (each rank's own in-flight chunks, one at the head; the run's closing
 evaluation kept every chunk's logits and their concatenation, 0.82, until it asked torch's schedule for no
 outputs), DDP (one micro-batch: the gradients come as the backward frees the activations; FSDP2's gather copies
-of the replicas), TP (the logits split over the vocabulary), TP of an MoE, tp2 x pp2 on 4 ranks, tp2 x pp2 x FSDP 2 on 8, MoE layouts on 4 and the zero-bubble
-schedules (their deferred weight gradients keep about pp chunks alive). Within 15 %, the search issue's bound;
-benchmarks/search/predict_vs_measured.py does all ten layouts of its table."""
+of the replicas), TP (the logits split over the vocabulary), TP of an MoE, tp2 x pp2 on 4 ranks, tp2 x pp2 x
+FSDP 2 on 8, MoE layouts on 4 and the zero-bubble schedules (their deferred weight gradients keep about pp chunks
+alive). Within 15 %, the search issue's bound; benchmarks/search/predict_vs_measured.py does all eleven layouts of
+its table."""
 
 import pytest
 from torch.profiler import ProfilerActivity, profile
