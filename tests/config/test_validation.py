@@ -81,12 +81,15 @@ CASES = [
     (
         ["parallel=ep2_fsdp", "model=moe", "parallel.ep_spans_tp=true", "train.micro_batch_size=4"],
         2,
-        ["parallel.ep_spans_tp=true needs parallel.ep=2 to be a multiple of parallel.tp=1 > 1"],
+        [
+            "parallel.ep_spans_tp=true needs parallel.tp > 1 and parallel.ep a multiple of it (got parallel.tp=1, "
+            "parallel.ep=2"
+        ],
     ),
     (
         ["parallel=tp2_fsdp", "model=moe", "parallel.ep=3", "parallel.ep_spans_tp=true", "model.moe.num_experts=6"],
         4,
-        ["parallel.ep=3 to be a multiple of parallel.tp=2"],
+        ["(got parallel.tp=2, parallel.ep=3;"],
     ),
     (
         ["parallel=tp2_fsdp", "model=moe", "parallel.ep=8", "parallel.ep_spans_tp=true"],

@@ -80,8 +80,6 @@ FOUR_RANKS = {
     # ep over the dp_shard ranks of one tp index: each expert's width split over tp, the experts over ep
     "tp2_ep2": ([], ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 4),
     "tp2_ep2_sigmoid_shared_global": (SIGMOID, ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 8),
-    # ep over the dp_shard ranks of one cp index; the experts' FSDP group spans their cp peers (who route other
-    # positions of the same sequences to them)
     "tp2_fsdp_ep4_spans_tp": (
         [],
         ["parallel=tp2_fsdp", "parallel.ep=4", "parallel.ep_spans_tp=true", "train.micro_batch_size=4"],
@@ -93,6 +91,18 @@ FOUR_RANKS = {
         4,
     ),
     "latent_tp2_ep2": (LATENT, ["parallel=tp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 4),
+    "tp2_cp2_ep2_spans_tp": (  # every rank a cp x tp index: the experts' FSDP group is the cp pair
+        SIGN,
+        ["parallel=cp2", "parallel.tp=2", "parallel.ep=2", "parallel.ep_spans_tp=true", "train.micro_batch_size=8"],
+        8,
+    ),
+    "ep2_fsdp4_ac_selective": (  # the experts' own FSDP group has 2 ranks
+        [],
+        ["parallel=fsdp", "parallel.ep=2", "train.micro_batch_size=2", "parallel.activation_checkpoint=selective"],
+        2,
+    ),
+    # ep over the dp_shard ranks of one cp index; the experts' FSDP group spans their cp peers (who route other
+    # positions of the same sequences to them)
     "cp2_ep2": (SIGN, ["parallel=cp2_fsdp", "parallel.ep=2", "train.micro_batch_size=4"], 4),
 }
 EIGHT_RANKS = {

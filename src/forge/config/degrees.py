@@ -19,7 +19,7 @@ class Degrees:
     @property
     def ep_data(self) -> int:
         """The dp_shard ranks expert parallelism borrows (ep, or ep / tp when it spans the tp ranks too)."""
-        return self.ep // self.tp if self.ep_spans_tp else self.ep
+        return self.ep // self.tp if self.ep_spans_tp and self.ep > 1 else self.ep
 
     @property
     def dp(self) -> int:
@@ -35,7 +35,7 @@ class Degrees:
     @property
     def expert_shard(self) -> int:
         """Ranks FSDP shards one rank's experts over (without ep, all its experts are sharded like the rest): the
-        dp_shard / ep ranks that hold the same experts, times cp (context-parallel peers route other tokens to
+        dp_shard / ep_data ranks that hold the same experts, times cp (context-parallel peers route other tokens to
         them)."""
         return self.dp_shard // self.ep_data * self.cp
 

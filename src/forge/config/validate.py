@@ -199,8 +199,8 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         if degrees.ep_spans_tp:
             require(
                 degrees.tp > 1 and degrees.ep % degrees.tp == 0,
-                f"parallel.ep_spans_tp=true needs parallel.ep={degrees.ep} to be a multiple of parallel.tp="
-                f"{degrees.tp} > 1 (the ep ranks are ep / tp dp_shard ranks times the tp ranks)",
+                f"parallel.ep_spans_tp=true needs parallel.tp > 1 and parallel.ep a multiple of it (got parallel.tp="
+                f"{degrees.tp}, parallel.ep={degrees.ep}; the ep ranks are ep / tp dp_shard ranks times the tp ranks)",
             )
         require(
             degrees.dp_shard % degrees.ep_data == 0,

@@ -116,10 +116,9 @@ class SplitRowsOverTp:
         mine = (part == self.tp_rank) & (rows < ends[-1])
         order = torch.argsort((~mine).to(torch.int8), stable=True)  # my rows first, still grouped by expert
         bounds = counts * torch.arange(self.tp + 1, device=counts.device).unsqueeze(1) // self.tp
-        out = self.inner(
-            permute_rows(x, order, inverse(order)), bounds[self.tp_rank + 1] - bounds[self.tp_rank], experts
-        )
-        return permute_rows(out, inverse(order), order)
+        undo = inverse(order)
+        out = self.inner(permute_rows(x, order, undo), bounds[self.tp_rank + 1] - bounds[self.tp_rank], experts)
+        return permute_rows(out, undo, order)
 
 
 def whole_expert_widths(model: nn.Module) -> None:

@@ -33,8 +33,8 @@ def mesh_shape(degrees: Degrees) -> dict[str, int]:
     keep = {name: size for name, size in sizes.items() if size > 1}
     if degrees.dp_replicate > 1 and "dp_shard" not in keep:
         keep["dp_shard"] = 1
-    if degrees.ep > 1 and "dp_shard" in keep:  # (not when ep spans only the tp ranks of a tp-only run)
-        del keep["dp_shard"]
+    if degrees.ep > 1 and ("dp_shard" in keep or degrees.cp > 1):  # (not when ep spans the tp ranks of tp alone)
+        keep.pop("dp_shard", None)
         keep["dp_shard_mod_ep"] = degrees.dp_shard // degrees.ep_data
         keep["ep"] = degrees.ep_data  # with ep_spans_tp (size 1 when ep = tp), build_mesh flattens it with tp
     return {name: keep[name] for name in MESH_DIMS if name in keep}

@@ -84,7 +84,7 @@ def parallelize(
         applied.append(apply_activation_checkpointing(model, parallel_cfg.activation_checkpoint))
     if parallel_cfg.compile:
         if parallel_cfg.get("async_tp"):
-            applied.append(apply_async_tp(degrees))
+            applied.append(apply_async_tp(mesh["tp"]))
         applied.append(apply_compile(model, parallel_cfg.cuda_graphs, parallel_cfg.compile_scope))
     shard_mesh = fsdp_mesh(mesh)
     if shard_mesh is not None:
@@ -221,14 +221,21 @@ class _ReplayKeptOps(_CachedTorchDispatchMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def apply_async_tp(degrees: Degrees) -> Applied:
+def apply_async_tp(tp_mesh: DeviceMesh) -> Applied:
     """Asynchronous TP: inductor micro-pipelines each tensor-parallel matmul with its collective over CUDA symmetric
-    memory (validation allows it only with tp > 1, compile and CUDA)."""
+    memory (validation allows it only with tp > 1, compile and CUDA). torch 2.13 marks its group registration
+    deprecated, yet inductor's pass still fuses only for groups registered by it."""
+    import warnings
+
     import torch._inductor.config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     torch._inductor.config._micro_pipeline_tp = True
-    detail = f"async tensor parallelism over {degrees.tp} ranks (inductor's micro-pipelined matmuls and collectives)"
-    return logged(Applied("async_tp", detail, {"tp": degrees.tp}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    detail = f"async tensor parallelism over {tp_mesh.size()} ranks (inductor's micro-pipelined matmuls, collectives)"
+    return logged(Applied("async_tp", detail, {"tp": tp_mesh.size()}))
 
 
 def apply_compile(model: nn.Module, cuda_graphs: bool = False, scope: str = CompileScope.blocks) -> Applied:

@@ -147,8 +147,8 @@ def estimate_memory(
     with one chunk's gradients of the logits). `root_params`: the parameters outside the blocks that this rank
     holds, per tp rank (embedding, final norm, head): FSDP's root unit, which stays gathered from the forward to the
     end of the backward. `local_experts`: the routed expert parameters among `local_params`; under deferred sync
-    they accumulate unsharded over their own FSDP group, dp_shard / ep ranks, not dp_shard x cp. `head_share`:
-    the fraction of a micro-batch whose head activations are alive (head_in_flight; None: `in_flight`)."""
+    they accumulate unsharded over their own FSDP group, (dp_shard / ep_data) x cp ranks (Degrees.expert_shard).
+    `head_share`: the fraction of a micro-batch whose head activations are alive (head_in_flight; None: `in_flight`)."""
     cp, tp = degrees.cp, degrees.tp
     tokens = micro_batch_size * seq_len * in_flight / cp
     head_tokens = tokens if head_share is None else micro_batch_size * seq_len * head_share / cp

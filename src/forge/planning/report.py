@@ -85,7 +85,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         if degrees.ep > 1:
             lines[-1] += f" (non-expert weights: dp_shard={degrees.dp_shard} = dp_shard_mod_ep x ep, flattened)"
             if degrees.ep_spans_tp:
-                lines[-1] += f"; the experts' group: ep x tp = {degrees.ep}"
+                lines[-1] += f"; the experts' group: (ep / tp) x tp = {degrees.ep} ranks"
         parts = [model]
         if degrees.pp > 1:
             n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)

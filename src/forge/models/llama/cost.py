@@ -125,7 +125,7 @@ def mla_activation_elems(args) -> float:
 
 def block_gather_params(args, degrees: "Degrees") -> float:
     """Parameters of the largest block that FSDP all-gathers. An MoE block's
-    expert weights are gathered only over dp_shard / ep x cp ranks, and only this rank's E / ep experts."""
+    expert weights are gathered only over (dp_shard / ep) x cp ranks, and only this rank's E / ep experts."""
     attention = attention_flops(args, 0)[0] / 2  # one multiply-add per weight
     dense = attention + 3 * args.dim * args.hidden_dim
     moe = args.moe
@@ -134,6 +134,7 @@ def block_gather_params(args, degrees: "Degrees") -> float:
     expert = moe.expert_ffn_dim or args.hidden_dim
     shared = 3 * args.dim * expert * moe.num_shared_experts + args.dim * moe.num_experts
     experts = 3 * args.dim * expert * moe.num_experts / degrees.ep if degrees.expert_shard > 1 else 0
+    experts *= degrees.tp if degrees.ep_spans_tp else 1  # whole experts: the caller's division by tp does not apply
     return max(dense, attention + shared + experts)
 
 

@@ -325,7 +325,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
 
 def _shard_traffic(layout: Layout, dense: float, experts: float) -> float:
     """Elements a rank sends (ring) to gather or reduce-scatter `dense` elements over dp_shard x cp (per tp rank)
-    and `experts` (routed-expert elements) over the dp_shard / ep x cp ranks that share them (this rank holds E / ep,
+    and `experts` (routed-expert elements) over the (dp_shard / ep) x cp ranks that share them (this rank holds E / ep,
     and under tp its part of each one's hidden width)."""
     shard = layout.dp_shard * layout.cp
     if layout.ep == 1:  # the experts are sharded with the rest of their block
