@@ -190,20 +190,26 @@ def test_tp2_pp2_checkpoint_resumes_in_one_process_and_in_fsdp4(tmp_path):
     checkpoint = saving / f"checkpoints/step-{SAVED_AT:08d}"
     state, whole = consolidated(checkpoint), losses(saving)
     for name, overrides, nproc in (("single", ["parallel=single"], 1), ("fsdp4", ["parallel=fsdp"], 4)):
-        run, dumps = tmp_path / name, tmp_path / f"{name}_dumps"
-        args = [str(run), str(dumps), [*COMMON, *overrides, f"checkpoint.resume={checkpoint}"]]
-        if nproc == 1:
-            resume(*args)
-        else:
-            launch(resume, nproc, *args, timeout=420)
-        restored = merged_dumps(dumps)
-        assert_identical(state["model"], restored["model"], f"{name}: model")
-        assert_identical(state["optim"]["state"], restored["optim"], f"{name}: optimizer state")
-        resumed = losses(run)
-        assert sorted(resumed) == list(range(SAVED_AT + 1, STEPS + 1)), name
-        torch.testing.assert_close(
-            [resumed[s] for s in sorted(resumed)], [whole[s] for s in sorted(resumed)], rtol=LOSS_RTOL, atol=0
-        )
+        overrides = [*COMMON, *overrides, f"checkpoint.resume={checkpoint}"]
+        assert_resumes_bitwise(tmp_path, name, nproc, overrides, state, whole, LOSS_RTOL)
+
+
+def assert_resumes_bitwise(root: Path, name: str, nproc: int, overrides: list[str], state, whole, rtol: float):
+    """`overrides` (a resume of the checkpoint whose contents are `state` and whose run logged `whole`) on `nproc`
+    ranks restores it bit for bit and trains steps SAVED_AT + 1 .. STEPS with its losses."""
+    run, dumps = root / name, root / f"{name}_dumps"
+    if nproc == 1:
+        resume(str(run), str(dumps), overrides)
+    else:
+        launch(resume, nproc, str(run), str(dumps), overrides, timeout=420)
+    restored = merged_dumps(dumps)
+    assert_identical(state["model"], restored["model"], f"{name}: model")
+    assert_identical(state["optim"]["state"], restored["optim"], f"{name}: optimizer state")
+    resumed = losses(run)
+    assert sorted(resumed) == list(range(SAVED_AT + 1, STEPS + 1)), name
+    torch.testing.assert_close(
+        [resumed[s] for s in sorted(resumed)], [whole[s] for s in sorted(resumed)], rtol=rtol, atol=0
+    )
 
 
 def test_moe_pp2_ep2_checkpoint_resumes_in_one_process_and_in_fsdp2(tmp_path):
@@ -219,17 +225,4 @@ def test_moe_pp2_ep2_checkpoint_resumes_in_one_process_and_in_fsdp2(tmp_path):
     state, whole = consolidated(checkpoint), losses(saving)
     one_sample = ["train.micro_batch_size=1", f"checkpoint.resume={checkpoint}"]
     for name, layout, nproc in (("single", "parallel=single", 1), ("fsdp2", "parallel=fsdp", 2)):
-        run, dumps = tmp_path / name, tmp_path / f"{name}_dumps"
-        args = [str(run), str(dumps), [*moe, *COMMON, layout, *one_sample]]
-        if nproc == 1:
-            resume(*args)
-        else:
-            launch(resume, nproc, *args, timeout=420)
-        restored = merged_dumps(dumps)
-        assert_identical(state["model"], restored["model"], f"{name}: model")
-        assert_identical(state["optim"]["state"], restored["optim"], f"{name}: optimizer state")
-        resumed = losses(run)
-        assert sorted(resumed) == list(range(SAVED_AT + 1, STEPS + 1)), name
-        torch.testing.assert_close(
-            [resumed[s] for s in sorted(resumed)], [whole[s] for s in sorted(resumed)], rtol=1e-4, atol=0
-        )
+        assert_resumes_bitwise(tmp_path, name, nproc, [*moe, *COMMON, layout, *one_sample], state, whole, 1e-4)
