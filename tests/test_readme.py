@@ -33,7 +33,7 @@ composes, and its whole model is still built, initialised and stepped."""
 PROGRAMS = {
     "forge-train", "forge-generate", "forge-eval", "forge-lm-eval", "forge-prepare-data", "forge-convert",
     "forge-plot", "forge-sweep-report", "torchrun", "launchers/torchrun.sh", "python", "make", "bash", "mkdir",
-    "sbatch",
+    "sbatch", "ray",
 }  # fmt: skip
 """A README block is a command block when its first line starts with one of these (after VAR=value words)."""
 
@@ -50,6 +50,8 @@ NOT_RUN = {
     "forge-train -m hydra/launcher=torchrun": "tests/launch/test_torchrun_launcher.py runs this sweep (2 points x 2 "
     "processes)",
     "forge-train debug=overfit": "tests/train/test_debug_presets.py runs it and checks the loss falls below 0.5",
+    "ray start --head": "tests/launch/test_ray_launcher.py starts a Ray cluster of its own (and stops it)",
+    "forge-train -m hydra/launcher=ray_cluster": "tests/launch/test_ray_launcher.py runs this sweep on that cluster",
 }
 
 EXPECT = {
@@ -57,6 +59,7 @@ EXPECT = {
     "forge-train hydra.searchpath=": "warmup cut to 4 steps",  # the experiment's train.steps: 4 applied
     "forge-train experiment=llama3_8b_h100 --plan": ("plan for 8 ranks", "model 8.030B parameters"),
     "forge-train debug=fast": "done: 5 steps",
+    "forge-train hparams_search=lr_optuna": "Best value: ",
     "forge-train --plan --search": "winner: parallel.dp_replicate=",  # before its prefix: the first match counts
     "torchrun --nproc_per_node=2 -m forge.train --calibrate": "device profile: ",
     "torchrun --nproc_per_node=2 -m forge.train parallel=cp2": "context parallel over 2 ranks",

@@ -5,7 +5,9 @@ import subprocess
 import time
 
 import pytest
+import yaml
 
+from forge.launch.sweep_report import read_point
 from tests.conftest import ROOT, forge_cmd
 from tests.launch.conftest import finish_sweep, losses, slurm_job_ids, start_sweep, sweep, tiny, wait_for_step
 
@@ -83,6 +85,28 @@ def test_no_requeue_is_left_when_max_num_timeout_is_spent(slurm, tmp_path):
     assert "Job not requeued because: timed-out too many times" in out, out[-3000:]
     assert "resumed from" not in (tmp_path / "0" / "forge.log").read_text()
     assert max(losses(tmp_path / "0")) < 40
+
+
+def test_an_optuna_search_sends_its_trials_as_slurm_jobs_two_at_a_time(slurm, tmp_path):
+    code, out = sweep(tmp_path, LOCAL_SLURM, "hparams_search=lr_optuna", "hydra.sweeper.n_trials=4",
+                      "hydra.sweeper.n_jobs=2", *tiny("train.steps=3", "checkpoint.interval=0"))  # fmt: skip
+    assert code == 0, out[-3000:]
+    arrays = [job for job in slurm_job_ids(tmp_path) if "_" not in job]  # an array's tasks are <array>_<i>
+    assert len(arrays) == 2, slurm_job_ids(tmp_path)  # two batches of two trials: two array jobs
+    val = {n: read_point(tmp_path / str(n)).val_loss for n in range(4)}
+    best = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    assert None not in val.values() and best["best_value"] == min(val.values()), (val, best)
+    lrs = {yaml.safe_load((tmp_path / str(n) / ".hydra" / "config.yaml").read_text())["optimizer"]["lr"] for n in val}
+    assert len(lrs) == 4
+
+
+def test_a_refused_point_of_a_slurm_sweep_is_recorded_and_the_others_run(slurm, tmp_path):
+    code, out = sweep(tmp_path, LOCAL_SLURM, *tiny("train.steps=2", "checkpoint.interval=0"), "optimizer.lr=-1,1e-3")
+    assert code == 2, out[-3000:]  # as the refused point alone would
+    assert "Traceback" not in out, out[-3000:]
+    refused, trained = read_point(tmp_path / "0"), read_point(tmp_path / "1")
+    assert refused.status == "refused: optimizer.lr=-1.0 must be > 0", refused
+    assert trained.status == "done" and trained.val_loss is not None, trained
 
 
 def test_local_multirun_without_slurm_keeps_working(tmp_path):

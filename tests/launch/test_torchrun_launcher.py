@@ -13,11 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_two_points_of_two_processes_each_after_a_refused_one(tmp_path):
     sweep = tmp_path / "sweep"
-    done = subprocess.run(
-        [sys.executable, "-m", "forge.train", "-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2",
-         "optimizer.lr=-1,1e-3,3e-3", "debug=fast", f"hydra.sweep.dir={sweep}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    command = [sys.executable, "-m", "forge.train", "-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2",
+               "optimizer.lr=-1,1e-3,3e-3", "debug=fast", f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     # the refused point is recorded, the sweep runs the others, then exits as the refusal does
     assert done.returncode == 2, done.stderr[-3000:]
     stopped = "a sweep point stopped (optimizer.lr=-1 debug=fast: refused: optimizer.lr=-1.0"
@@ -30,6 +28,14 @@ def test_two_points_of_two_processes_each_after_a_refused_one(tmp_path):
         row = read_point(sweep / point)
         assert row.status == "done"
         assert job_return([f"optimizer.lr={lr}"], sweep / point, 0).return_value == row.val_loss
+
+    # run again: the finished points are kept without starting torchrun, the refused one is tried again
+    metrics = {point: (sweep / point / "metrics.jsonl").read_bytes() for point in ("1", "2")}
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2, again.stderr[-3000:]
+    out = again.stdout + again.stderr
+    assert out.count("kept: ") == 2, out[-3000:]
+    assert {point: (sweep / point / "metrics.jsonl").read_bytes() for point in ("1", "2")} == metrics
 
 
 def test_a_failed_point_is_a_failed_job(tmp_path):

@@ -47,7 +47,7 @@ def config_groups() -> tuple[str, ...]:
     return tuple(group for group in groups if group not in GLOBAL_GROUPS)
 
 
-GLOBAL_GROUPS = ("experiment", "debug")
+GLOBAL_GROUPS = ("experiment", "debug", "hparams_search")
 """Groups whose options are `# @package _global_`: they set keys of other groups and have no key of their own."""
 
 

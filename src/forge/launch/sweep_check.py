@@ -11,6 +11,7 @@ forge-train exits 2 once they have (forge-sweep-report lists the refused point w
 import sys
 from typing import Any
 
+from hydra.core.override_parser.types import ValueType
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -21,12 +22,32 @@ EXIT_CONFIG_ERROR = 2
 
 
 def sweep_points(task_overrides: list[str]) -> list[list[str]]:
-    """The override lists of every job of a sweep, in the order the basic sweeper runs them."""
+    """The override lists of every job of a sweep, in the order the basic sweeper runs them. A search interval
+    (`interval(1e-4, 1e-2)`, which only a searching sweeper such as Optuna samples) is left at its default: the
+    points then check every other key, and each sampled value is checked when its trial runs."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    parsed = [o for o in parse(task_overrides) if o.value_type != ValueType.INTERVAL_SWEEP]
+    return [point for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for point in batch]
+
+
+def parse(task_overrides: list[str]) -> list:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(task_overrides)
-    return [point for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for point in batch]
+    return OverridesParser.create().parse_overrides(task_overrides)
+
+
+def basic_sweeper_refusal(config: DictConfig) -> str | None:
+    """Hydra's basic sweeper runs lists, not intervals: it fails on one with a traceback."""
+    if "BasicSweeper" not in str(OmegaConf.select(config, "hydra.sweeper._target_") or ""):
+        return None
+    task = OmegaConf.to_container(config.hydra.overrides.task)
+    intervals = [o.input_line for o in parse(task) if o.value_type == ValueType.INTERVAL_SWEEP]
+    if not intervals:
+        return None
+    return (f"{intervals[0]} is a search interval, which the basic sweeper cannot run: sweep it with an Optuna "
+            "search (hparams_search=lr_optuna names its keys in hydra.sweeper.params; or hydra/sweeper=optuna) or "
+            "give a list of values")  # fmt: skip
 
 
 def check_sweep(config: DictConfig) -> tuple[int, list[str]]:
@@ -61,6 +82,9 @@ class SweepCheck(Callback):
     only exits 2 there."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if refusal := basic_sweeper_refusal(config):
+            print(f"forge-train: invalid sweep: {refusal}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG_ERROR)
         total, refused = check_sweep(config)
         if refused and len(refused) == total:
             print(f"forge-train: invalid sweep: {refused[0]}", file=sys.stderr)

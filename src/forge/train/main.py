@@ -19,6 +19,7 @@ from forge.config.help import field_help
 from forge.config.validate import null_group_refusal
 from forge.data.sources import DataError
 from forge.launch.sweep_point import FAILED_FILE, SWEEP_POINT_ENV, PointFailed
+from forge.launch.sweep_resume import SweepFolderTaken, finished_objective
 from forge.planning.flags import has_plan_flags
 
 log = logging.getLogger("forge")
@@ -26,6 +27,8 @@ log = logging.getLogger("forge")
 EXIT_CONFIG_ERROR = 2
 PLAN_ONLY = False
 """Set by `--plan`: print the parallel plan and the memory estimate instead of training."""
+LAST_FAILED_POINT: list = []
+"""The line and exit code of the last sweep point that stopped in this process (the search's end reports it)."""
 CALIBRATE = False
 """Set by `--calibrate`: measure this machine and write a device profile for `--plan --search` instead of training."""
 
@@ -109,8 +112,15 @@ def _task(cfg: DictConfig) -> float | None:
 
             print_plan(cfg)
             return
+        if in_sweep():
+            kept, objective = finished_objective(output_dir(), OmegaConf.to_container(HydraConfig.get().overrides.task))
+            if kept:
+                log.info("sweep point kept: %s finished before (val loss %s); nothing to run", output_dir(), objective)
+                return objective
         degrees = validate(cfg)  # before the trainer's heavy imports: a config error costs none of them
         summary = build_trainer(cfg, degrees).fit()
+    except SweepFolderTaken as err:
+        stop(EXIT_CONFIG_ERROR, f"invalid sweep: {err}", "", record=False)
     except ConfigError as err:
         stop(EXIT_CONFIG_ERROR, f"invalid config: {err}", f"refused: {err}")
     except (DataError, InstantiationException) as err:
@@ -135,7 +145,13 @@ def _task(cfg: DictConfig) -> float | None:
 
         requeue_via_submitit()  # under submitit: requeue the job (rank 0 does not return)
         sys.exit(EXIT_PREEMPTED)
+    if in_sweep():
+        clear_failure_record()
     return summary["final_val_loss"]
+
+
+def output_dir() -> Path:
+    return Path(HydraConfig.get().runtime.output_dir)
 
 
 def in_sweep() -> bool:
@@ -157,12 +173,23 @@ def record_failure(status: str) -> None:
         (run_dir / FAILED_FILE).write_text(status + "\n")
 
 
-def stop(code: int, line: str, status: str) -> NoReturn:
-    """One line and exit `code`. In a sweep the point records `status` and the sweep goes on to its other points;
-    alone, a refused config leaves no run directory behind."""
+def clear_failure_record() -> None:
+    """A point that failed before and has now finished: its folder's record of the failure goes (rank 0, once the
+    run is over: every rank read the same record when the point started)."""
+    from forge.parallel.env import read_dist_env
+
+    if read_dist_env().rank == 0:
+        (output_dir() / FAILED_FILE).unlink(missing_ok=True)
+
+
+def stop(code: int, line: str, status: str, record: bool = True) -> NoReturn:
+    """One line and exit `code`. In a sweep the point records `status` (unless `record` is false: the folder holds
+    another run) and the sweep goes on to its other points; alone, a refused config leaves no run directory behind."""
     print(f"forge-train: {line}", file=sys.stderr)
     if in_sweep():
-        record_failure(status)
+        if record:
+            record_failure(status)
+        LAST_FAILED_POINT[:] = [line, code]
         raise PointFailed(line, code, str(HydraConfig.get().sweep.dir))
     if code == EXIT_CONFIG_ERROR:
         remove_empty_run_dir()
@@ -218,6 +245,13 @@ def main() -> None:
     except (ConfigCompositionException, OverrideParseException) as err:
         print(f"forge-train: invalid config: {composition_message(err)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    except ValueError as err:  # Optuna's sweeper, asked for the best of trials that all stopped
+        if str(err) != "No trials are completed yet." or not LAST_FAILED_POINT:
+            raise
+        line, code = LAST_FAILED_POINT
+        print(f"forge-train: no trial of the search finished (the last: {line}); each one's folder says why",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(code)
     except PointFailed as err:  # raised again by Hydra's sweeper once every point has run
         if os.environ.get(SWEEP_POINT_ENV) != "1":
             print(f"forge-train: a sweep point stopped ({err.line}); the others ran: forge-sweep-report "

@@ -2,7 +2,8 @@
 runs as its own `torchrun --standalone --nproc_per_node=N -m forge.train <its overrides>` on this machine, one after
 the other, in the point's folder of the sweep directory, so a sweep of data-, tensor- or pipeline-parallel runs needs
 no cluster. Each point's return value is its last validation loss (read from its metrics.jsonl); a point that fails
-is a failed job, as under Hydra's own launcher."""
+is a failed job, as under Hydra's own launcher. A point that finished when the sweep last ran in this folder is kept
+without starting torchrun (forge.launch.sweep_resume)."""
 
 import logging
 import os
@@ -57,6 +58,9 @@ class TorchrunLauncher(Launcher):
             job_dir = Path(str(sweep_config.hydra.sweep.dir)) / str(sweep_config.hydra.sweep.subdir)
             shown = filter_overrides(overrides)
             log.info("\t#%d : %s", idx, " ".join(shown))
+            if kept := kept_point(list(overrides), shown, job_dir):
+                returns.append(kept)
+                continue
             command = [
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={self.nproc_per_node}", "-m", "forge.train", *shown, f"hydra.run.dir={job_dir}",
@@ -65,6 +69,24 @@ class TorchrunLauncher(Launcher):
             done = subprocess.run(command, timeout=self.timeout_s, env={**os.environ, SWEEP_POINT_ENV: "1"})
             returns.append(job_return(list(overrides), job_dir, done.returncode))
         return returns
+
+
+def kept_point(overrides: list[str], shown: list[str], job_dir: Path) -> Optional[JobReturn]:
+    """A point that finished when the sweep ran before: its return, read back (forge.launch.sweep_resume); None when
+    it must run (a folder holding other overrides is refused by the point's own processes)."""
+    from forge.config.errors import ConfigError
+    from forge.launch.sweep_resume import finished_objective
+
+    try:
+        kept, objective = finished_objective(job_dir, shown)
+    except ConfigError:
+        return None
+    if not kept:
+        return None
+    log.info("\t   kept: %s finished before (val loss %s)", job_dir, objective)
+    ret = JobReturn(overrides=overrides, working_dir=str(job_dir), status=JobStatus.COMPLETED)
+    ret._return_value = objective
+    return ret
 
 
 def job_return(overrides: list[str], job_dir: Path, returncode: int) -> JobReturn:
