@@ -1,7 +1,9 @@
 """forge-train sweeps on a real SLURM through hydra-submitit-launcher: one job per point, multi-task DDP jobs,
 the launch-shape check, and preemption -> requeue -> resume."""
 
+import csv
 import subprocess
+import sys
 import time
 
 import pytest
@@ -98,6 +100,11 @@ def test_an_optuna_search_sends_its_trials_as_slurm_jobs_two_at_a_time(slurm, tm
     assert None not in val.values() and best["best_value"] == min(val.values()), (val, best)
     lrs = {yaml.safe_load((tmp_path / str(n) / ".hydra" / "config.yaml").read_text())["optimizer"]["lr"] for n in val}
     assert len(lrs) == 4
+    report = subprocess.run([sys.executable, "-m", "forge.launch.sweep_report", str(tmp_path)], capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    rows = list(csv.DictReader((tmp_path / "sweep_report.csv").open()))
+    assert [float(r["val_loss"]) for r in rows] == sorted(val.values())  # ranked by validation loss
 
 
 def test_a_refused_point_of_a_slurm_sweep_is_recorded_and_the_others_run(slurm, tmp_path):
