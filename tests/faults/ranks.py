@@ -65,9 +65,10 @@ def fork_ranks(fn: Callable, world_size: int, *args, collective_timeout_s: float
 TWO_RANKS = ["parallel=fsdp", "train.steps=10"]
 
 
-def start_torchrun(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def start_torchrun(run_dir: Path, *overrides: str, torchrun_args: tuple[str, ...] = ()) -> subprocess.Popen:
     """forge-train on two local ranks under torchrun, output merged into one pipe."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "forge.train"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *torchrun_args, "-m",
+           "forge.train"]  # fmt: skip
     return subprocess.Popen(
         [*cmd, *RUN, *TWO_RANKS, *overrides, f"hydra.run.dir={run_dir}"],
         cwd=ROOT,

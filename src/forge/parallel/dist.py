@@ -40,16 +40,31 @@ def init_distributed(device: torch.device, env: DistEnv | None = None, timeout_s
         # thread), so a failed collective reaches forge.resilience.liveness: a line naming the rank, exit 77.
         # Not yet run on a multi-GPU machine.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend_for(device),
-        init_method="env://",
+        store=attempt_store(env, timeout),
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
     atexit.register(_destroy_if_alive)
     log.debug("rank %d/%d joined the %s process group", env.rank, env.world_size, backend_for(device))
     return True
+
+
+def attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the agent's store with a prefix of its own per restart; elsewhere None (env:// makes one).
+
+    torchrun's agent keeps one store server for every restart of its workers (its TCPStore sharing), and the store
+    env:// connects to it adds no per-restart prefix. A restarted group then read the previous group's gloo
+    addresses, which the new ranks had not yet replaced, and failed to connect ("Gloo connectFullMesh failed ...
+    Connection refused"), so torchrun's --max-restarts spent its restarts.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"forge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
 def teardown() -> None:
