@@ -47,10 +47,11 @@ def test_a_killed_rank_is_restarted_in_place_and_the_curve_is_bitwise(tmp_path, 
 
 def start_node(run_dir: Path, port: int, log: Path) -> subprocess.Popen:
     """One "node" of an elastic job of 1 to 2 nodes, one rank each, meeting at a c10d rendezvous on `port`. A node
-    that stops heartbeating is dropped from the next round within ~2 s (the defaults take ~45 s)."""
+    that stops heartbeating is dropped from the next round within ~2 s (the defaults take ~45 s); a round waits 5 s
+    for more nodes once it has one, so both nodes join the first (a node joining a running job restarts it)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
-           "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
+           "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=5",
            "-m", "forge.train", *RUN, "parallel=fsdp", f"train.steps={STEPS}", f"hydra.run.dir={run_dir}"]  # fmt: skip
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
@@ -59,7 +60,7 @@ def start_node(run_dir: Path, port: int, log: Path) -> subprocess.Popen:
 def test_a_node_gone_leaves_one_rank_that_goes_on_with_the_same_global_batch(tmp_path, reference):
     run_dir, port = tmp_path / "run", free_port()
     first = start_node(run_dir, port, tmp_path / "node0.log")
-    time.sleep(1)  # the first node hosts the rendezvous store
+    time.sleep(0.5)  # the first node hosts the rendezvous store
     second = start_node(run_dir, port, tmp_path / "node1.log")
     try:
         wait_for_step(first, run_dir, KILL_AFTER)
