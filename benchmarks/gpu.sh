@@ -225,7 +225,8 @@ fi
 #      2 GPUs (the product's MoE TP path), and with its experts split over them (the all-to-all on NCCL);
 #      tp2_async: the 1B model under tp2 with async TP (compiled, micro-pipelined over symmetric memory); with 4 or
 #      8 GPUs, tp2_pp2_fsdp: the 3-D layout (tp 2 in each of 2 stages, x FSDP over the rest)
-#   10. nccl_peer_lost: rank 1 is SIGKILLed mid-run; rank 0 must exit 77 naming it (NCCL async error handling)
+#   10. nccl_peer_lost: rank 1 is SIGKILLed mid-run; rank 0 must exit 77 naming it (NCCL async error handling) and
+#      write its flight recorder of NCCL collectives to the run directory
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 COMMON2=("${COMMON[@]/#train.global_batch_size=*/train.global_batch_size=$((2 * MICRO))}")  # MICRO per rank
 torchrun2() { NPROC=2 torchrun_n "$@"; }
@@ -266,8 +267,10 @@ if [ "$GPUS" -ge 2 ]; then
     sleep 90
     kill -9 "$(pgrep -P "$launcher" | sort -n | tail -n 1)"  # the second worker torchrun started: rank 1
     wait "$launcher"
-    if grep -q "rank 1 did not answer a liveness check" "$OUT/nccl_peer_lost.log"; then
-        echo "=== nccl_peer_lost: rank 0 named the lost rank"
+    if grep -q "rank 1 did not answer a liveness check" "$OUT/nccl_peer_lost.log" \
+        && "$PY" -c "import pickle, sys; e = pickle.load(open(sys.argv[1], 'rb'))['entries']; \
+assert e and all(x['profiling_name'].startswith('nccl:') for x in e)" "$OUT/nccl_peer_lost/flight_recorder/rank_0"; then
+        echo "=== nccl_peer_lost: rank 0 named the lost rank and wrote its NCCL flight recorder"
     else
         echo "=== nccl_peer_lost: FAILED, see $OUT/nccl_peer_lost.log"
         failed=1

@@ -5,6 +5,7 @@ two steps per kill, e.g. 100 kills train 204 steps).
 """
 
 import os
+import pickle
 import random
 import signal
 import time
@@ -77,6 +78,16 @@ def test_a_stalled_rank_is_named_and_the_job_resumes_bitwise(tmp_path, reference
     assert max(losses(tmp_path)) == 5
     assert_sealed_checkpoints_are_whole(tmp_path / "checkpoints")
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000004"
+    # each rank that ended the job wrote its flight recorder: the training group's collectives of both end at the
+    # same one (rank 1 stalled before step 6 issued any; rank 0 ended in the liveness check, on a group of its own)
+    assert out.count(f"Flight recorder: {tmp_path / 'flight_recorder'}/rank_") == 2, out[-3000:]
+    last_issued = {}
+    for rank in (0, 1):
+        record = pickle.loads((tmp_path / "flight_recorder" / f"rank_{rank}").read_bytes())
+        issued = [e for e in record["entries"] if e["process_group"][1] == "default_pg"]
+        assert issued and all(e["profiling_name"].startswith("gloo:") for e in issued), record["entries"][-3:]
+        last_issued[rank] = max(e["collective_seq_id"] for e in issued)
+    assert last_issued[0] == last_issued[1] > 0, last_issued
 
     code, out = run_torchrun(tmp_path, "resilience.liveness_every_steps=1", "resilience.liveness_timeout_s=30")
     assert code == 0, out[-3000:]

@@ -505,6 +505,9 @@ class ResilienceConfig:
     within liveness_timeout_s is named and the job exits with code 77 (0 disables the periodic check)."""
     liveness_timeout_s: float = domain(60.0, gt=0)
     """How long a liveness check (periodic, or after a failed collective) waits for every rank."""
+    flight_recorder_entries: int = domain(2000, ge=0, means="0: off")
+    """Collectives each rank's flight recorder keeps (torch's TORCH_FR_BUFFER_SIZE); a rank whose watchdog or
+    liveness check ends the job writes them to RUN_DIR/flight_recorder/rank_<r> (forge.resilience.flight_recorder)."""
     inject_nan_at_step: Optional[int] = domain(None, ge=1)
     """Fault-injection test hook: make the loss of this step NaN."""
     inject_stall_at_step: Optional[int] = domain(None, ge=1)

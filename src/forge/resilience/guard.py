@@ -3,11 +3,13 @@
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from forge.resilience.flight_recorder import dump_line
 from forge.resilience.hard_exit import hard_exit
 from forge.resilience.liveness import EXIT_PEER_LOST, Liveness, PeerLostError, is_collective_failure
 from forge.resilience.nonfinite import NonFiniteError, NonFinitePolicy, StepFlags
@@ -27,16 +29,19 @@ class RollbackRequested(Exception):
 
 
 class StepGuard:
-    def __init__(self, cfg, preemption: PreemptionHandler | None = None):
+    def __init__(self, cfg, preemption: PreemptionHandler | None = None, run_dir: Path | None = None):
         """`preemption`: a handler installed earlier (the trainer installs it first, so a signal during a long
-        start-up still ends in a checkpoint and a requeue)."""
+        start-up still ends in a checkpoint and a requeue). `run_dir`: where a rank that ends the job writes its
+        flight recorder."""
         self.cfg = cfg
+        self.run_dir = run_dir
         self.preemption = preemption or PreemptionHandler(list(cfg.preemption_signals), cfg.preemption_deadline_s)
         self.nonfinite = NonFinitePolicy(cfg.nonfinite_policy, cfg.max_rollbacks)
         self.progress = ProgressBoard()
         self.watchdog = None
         if cfg.watchdog_factor > 0:
-            self.watchdog = StepWatchdog(cfg.watchdog_factor, cfg.watchdog_min_s, peers=self.progress.report)
+            self.watchdog = StepWatchdog(cfg.watchdog_factor, cfg.watchdog_min_s, peers=self.progress.report,
+                                         on_fire=self.flight_recorder_line)  # fmt: skip
         self.liveness = Liveness(cfg.liveness_timeout_s, cfg.liveness_every_steps)
         self.bad_steps: set[int] = set()
         self.pending: list[StepFlags] = []  # launched steps' flags the host has not read yet, oldest first
@@ -170,8 +175,13 @@ class StepGuard:
 
     def _exit_peer_lost(self, err: Exception) -> NoReturn:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        log.error("rank %d: %s; ending the job (exit code %d)", rank, err, EXIT_PEER_LOST)
+        log.error("rank %d: %s; ending the job (exit code %d).%s", rank, err, EXIT_PEER_LOST,
+                  self.flight_recorder_line())  # fmt: skip
         hard_exit(EXIT_PEER_LOST)
+
+    def flight_recorder_line(self) -> str:
+        """This rank's recorded collectives written to the run directory, and a sentence saying where."""
+        return dump_line(self.run_dir, dist.get_rank() if dist.is_initialized() else 0)
 
     def metrics(self) -> dict:
         return {"skipped_steps": self.nonfinite.skipped, "rollbacks": self.nonfinite.rollbacks}

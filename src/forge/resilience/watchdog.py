@@ -19,9 +19,17 @@ EXIT_HUNG = 76
 class StepWatchdog:
     """A daemon thread: if the current step runs longer than max(factor x median step, min_s), log and exit."""
 
-    def __init__(self, factor: float, min_s: float, poll_s: float = 1.0, peers: Callable[[], str] | None = None):
+    def __init__(
+        self,
+        factor: float,
+        min_s: float,
+        poll_s: float = 1.0,
+        peers: Callable[[], str] | None = None,
+        on_fire: Callable[[], str] | None = None,
+    ):
         self.factor = factor
         self.peers = peers  # a line on the other ranks' progress, when there are others
+        self.on_fire = on_fire  # what the rank saves before it ends (its flight recorder), as a sentence
         self.min_s = min_s
         self.poll_s = poll_s
         self.durations: list[float] = []
@@ -53,9 +61,10 @@ class StepWatchdog:
             elapsed = time.monotonic() - started
             if elapsed > self.limit():
                 peers = self.peers() if self.peers is not None else ""
+                saved = self.on_fire() if self.on_fire is not None else ""
                 log.error(
                     "watchdog: %sstep %s has run %.1f s, over %.1f s (%.0fx the median step); a rank is stalled or "
-                    "a peer is dead — ending the job (exit code %d).%s This rank's main thread is at:\n%s",
+                    "a peer is dead — ending the job (exit code %d).%s%s This rank's main thread is at:\n%s",
                     _rank_prefix(),
                     "?" if self._step is None else self._step,
                     elapsed,
@@ -63,6 +72,7 @@ class StepWatchdog:
                     self.factor,
                     EXIT_HUNG,
                     f" {peers}." if peers else "",
+                    saved,
                     main_thread_stack(),
                 )
                 hard_exit(EXIT_HUNG)

@@ -22,7 +22,7 @@ from forge.parallel.expert import sum_over_token_ranks_in_place
 from forge.parallel.mesh import build_mesh, dp_rank_and_size
 from forge.parallel.pipeline import Pipeline, build_pipeline
 from forge.parallel.plan import float8_all_gather_enabled, parallelize, param_dtype
-from forge.resilience import EXIT_PREEMPTED
+from forge.resilience import EXIT_PREEMPTED, flight_recorder
 from forge.resilience.guard import RollbackRequested, StepGuard
 from forge.resilience.hard_exit import on_hard_exit
 from forge.resilience.health import check_device
@@ -85,6 +85,7 @@ class Trainer:
             host_memory.configure_host_malloc(train.cpu_mmap_threshold_mib, self.degrees.world_size)
         self.dtype = resolve_dtype(train.dtype, self.device)
         check_device(self.device)
+        flight_recorder.enable(res.flight_recorder_entries)  # read when the process groups are made
         self.owns_process_group = dist.init_distributed(self.device, timeout_s=cfg.resilience.collective_timeout_s)
         self.run_dir = Path(dist.shared_run_dir(str(self.run_dir)))
         if not dist.is_main_process():
@@ -122,7 +123,7 @@ class Trainer:
         if cfg.train.overfit_batches:
             self.loader = RepeatedBatches(self.loader, cfg.train.overfit_batches * self.grad_accum)
         self.state = self.restore()
-        self.guard = StepGuard(cfg.resilience, self.preemption)
+        self.guard = StepGuard(cfg.resilience, self.preemption, run_dir=self.run_dir)
         self.preempted = False
         self.metrics = (
             build_metrics_logger(cfg, self.run_dir, self.state.tracker_ids) if dist.is_main_process() else NullMetrics()
