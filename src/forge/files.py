@@ -5,6 +5,7 @@ COMPLETE marker or a cached tokenizer renamed from one would be unreadable by a 
 cache. These create them the same way, then set 0o666 (0o777 for folders) less the process's umask.
 """
 
+import contextlib
 import os
 import tempfile
 
@@ -33,3 +34,16 @@ def temp_dir(folder: str | os.PathLike, prefix: str = "") -> str:
     path = tempfile.mkdtemp(dir=folder, prefix=prefix)
     os.chmod(path, DIR_MODE)
     return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` through a temporary file in its folder: readers see the old file or the whole new one."""
+    fd, tmp = temp_file(os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -80,7 +80,7 @@ def test_a_stalled_rank_is_named_and_the_job_resumes_bitwise(tmp_path, reference
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000004"
     # each rank that ended the job wrote its flight recorder: the training group's collectives of both end at the
     # same one (rank 1 stalled before step 6 issued any; rank 0 ended in the liveness check, on a group of its own)
-    assert out.count(f"Flight recorder: {tmp_path / 'flight_recorder'}/rank_") == 2, out[-3000:]
+    assert out.count(f"flight recorder: {tmp_path / 'flight_recorder'}/rank_") == 2, out[-3000:]
     last_issued = {}
     for rank in (0, 1):
         record = pickle.loads((tmp_path / "flight_recorder" / f"rank_{rank}").read_bytes())

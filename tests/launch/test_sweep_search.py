@@ -29,7 +29,8 @@ def report(sweep: Path) -> list[dict]:
 
 def test_an_optuna_search_ranks_its_trials_and_a_rerun_keeps_them(tmp_path):
     sweep = tmp_path / "search"
-    command = ("hparams_search=lr_optuna", "hydra.sweeper.n_trials=4", *tiny("train.steps=4", "checkpoint.interval=0"),
+    command = ("hparams_search=lr_optuna", "hydra.sweeper.n_trials=4", "hydra.sweeper.sampler.n_startup_trials=2",
+               *tiny("train.steps=4", "checkpoint.interval=0"),
                f"hydra.sweep.dir={sweep}", RECORD_RETURN)  # fmt: skip
     first = run(*command)
     assert first.returncode == 0, first.stderr[-3000:]

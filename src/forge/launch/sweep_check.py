@@ -11,7 +11,7 @@ forge-train exits 2 once they have (forge-sweep-report lists the refused point w
 import sys
 from typing import Any
 
-from hydra.core.override_parser.types import ValueType
+from hydra.core.override_parser.types import Override, ValueType
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -31,7 +31,8 @@ def sweep_points(task_overrides: list[str]) -> list[list[str]]:
     return [point for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for point in batch]
 
 
-def parse(task_overrides: list[str]) -> list:
+def parse(task_overrides: list[str]) -> list[Override]:
+    """Hydra's parse of command-line overrides."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     return OverridesParser.create().parse_overrides(task_overrides)

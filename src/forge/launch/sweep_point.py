@@ -3,6 +3,9 @@ training command, the torchrun launcher and forge-sweep-report without importing
 
 FAILED_FILE = "failed.txt"
 """In a sweep point's folder: why the point stopped, one line (`refused: ...` or `failed: ...`)."""
+FINISHED_FILE = "finished.yaml"
+"""In a sweep point's folder: written when its run ended normally (`val_loss: <its objective>`); a sweep run again
+keeps the point (forge.launch.sweep_resume)."""
 SWEEP_POINT_ENV = "FORGE_SWEEP_POINT"
 """Set to 1 by a launcher that starts each sweep point as a run of its own (hydra/launcher=torchrun)."""
 

@@ -41,7 +41,7 @@ class StepGuard:
         self.watchdog = None
         if cfg.watchdog_factor > 0:
             self.watchdog = StepWatchdog(cfg.watchdog_factor, cfg.watchdog_min_s, peers=self.progress.report,
-                                         on_fire=self.flight_recorder_line)  # fmt: skip
+                                         on_fire=self.log_flight_recorder)  # fmt: skip
         self.liveness = Liveness(cfg.liveness_timeout_s, cfg.liveness_every_steps)
         self.bad_steps: set[int] = set()
         self.pending: list[StepFlags] = []  # launched steps' flags the host has not read yet, oldest first
@@ -175,13 +175,15 @@ class StepGuard:
 
     def _exit_peer_lost(self, err: Exception) -> NoReturn:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        log.error("rank %d: %s; ending the job (exit code %d).%s", rank, err, EXIT_PEER_LOST,
-                  self.flight_recorder_line())  # fmt: skip
+        log.error("rank %d: %s; ending the job (exit code %d)", rank, err, EXIT_PEER_LOST)
+        self.log_flight_recorder()
         hard_exit(EXIT_PEER_LOST)
 
-    def flight_recorder_line(self) -> str:
-        """This rank's recorded collectives written to the run directory, and a sentence saying where."""
-        return dump_line(self.run_dir, dist.get_rank() if dist.is_initialized() else 0)
+    def log_flight_recorder(self) -> None:
+        """After the error line: this rank's recorded collectives written to the run directory, and where."""
+        line = dump_line(self.run_dir, dist.get_rank() if dist.is_initialized() else 0)
+        if line:
+            log.error("%s", line)
 
     def metrics(self) -> dict:
         return {"skipped_steps": self.nonfinite.skipped, "rollbacks": self.nonfinite.rollbacks}

@@ -25,11 +25,11 @@ class StepWatchdog:
         min_s: float,
         poll_s: float = 1.0,
         peers: Callable[[], str] | None = None,
-        on_fire: Callable[[], str] | None = None,
+        on_fire: Callable[[], None] | None = None,
     ):
         self.factor = factor
         self.peers = peers  # a line on the other ranks' progress, when there are others
-        self.on_fire = on_fire  # what the rank saves before it ends (its flight recorder), as a sentence
+        self.on_fire = on_fire  # what the rank saves after its error line, before it ends (its flight recorder)
         self.min_s = min_s
         self.poll_s = poll_s
         self.durations: list[float] = []
@@ -61,10 +61,9 @@ class StepWatchdog:
             elapsed = time.monotonic() - started
             if elapsed > self.limit():
                 peers = self.peers() if self.peers is not None else ""
-                saved = self.on_fire() if self.on_fire is not None else ""
                 log.error(
                     "watchdog: %sstep %s has run %.1f s, over %.1f s (%.0fx the median step); a rank is stalled or "
-                    "a peer is dead — ending the job (exit code %d).%s%s This rank's main thread is at:\n%s",
+                    "a peer is dead — ending the job (exit code %d).%s This rank's main thread is at:\n%s",
                     _rank_prefix(),
                     "?" if self._step is None else self._step,
                     elapsed,
@@ -72,9 +71,10 @@ class StepWatchdog:
                     self.factor,
                     EXIT_HUNG,
                     f" {peers}." if peers else "",
-                    saved,
                     main_thread_stack(),
                 )
+                if self.on_fire is not None:
+                    self.on_fire()
                 hard_exit(EXIT_HUNG)
 
     def stop(self) -> None:

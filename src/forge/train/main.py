@@ -18,7 +18,7 @@ from forge.config.errors import composition_message
 from forge.config.help import field_help
 from forge.config.validate import null_group_refusal
 from forge.data.sources import DataError
-from forge.launch.sweep_point import FAILED_FILE, SWEEP_POINT_ENV, PointFailed
+from forge.launch.sweep_point import FAILED_FILE, FINISHED_FILE, SWEEP_POINT_ENV, PointFailed
 from forge.launch.sweep_resume import SweepFolderTaken, finished_objective
 from forge.planning.flags import has_plan_flags
 
@@ -27,7 +27,7 @@ log = logging.getLogger("forge")
 EXIT_CONFIG_ERROR = 2
 PLAN_ONLY = False
 """Set by `--plan`: print the parallel plan and the memory estimate instead of training."""
-LAST_FAILED_POINT: list = []
+LAST_FAILED_POINT: list[str | int] = []
 """The line and exit code of the last sweep point that stopped in this process (the search's end reports it)."""
 CALIBRATE = False
 """Set by `--calibrate`: measure this machine and write a device profile for `--plan --search` instead of training."""
@@ -146,11 +146,12 @@ def _task(cfg: DictConfig) -> float | None:
         requeue_via_submitit()  # under submitit: requeue the job (rank 0 does not return)
         sys.exit(EXIT_PREEMPTED)
     if in_sweep():
-        clear_failure_record()
+        record_finished(summary["final_val_loss"])
     return summary["final_val_loss"]
 
 
 def output_dir() -> Path:
+    """This run's (or sweep point's) folder."""
     return Path(HydraConfig.get().runtime.output_dir)
 
 
@@ -173,12 +174,17 @@ def record_failure(status: str) -> None:
         (run_dir / FAILED_FILE).write_text(status + "\n")
 
 
-def clear_failure_record() -> None:
-    """A point that failed before and has now finished: its folder's record of the failure goes (rank 0, once the
-    run is over: every rank read the same record when the point started)."""
+def record_finished(objective: float | None) -> None:
+    """The point's run ended normally: rank 0 records its objective (a sweep run again keeps the point) and drops
+    the record of an earlier attempt's failure, once the run is over (every rank read the same records when the
+    point started)."""
+    import yaml
+
+    from forge.files import write_text_atomic
     from forge.parallel.env import read_dist_env
 
     if read_dist_env().rank == 0:
+        write_text_atomic(output_dir() / FINISHED_FILE, yaml.safe_dump({"val_loss": objective}))
         (output_dir() / FAILED_FILE).unlink(missing_ok=True)
 
 
@@ -246,11 +252,11 @@ def main() -> None:
         print(f"forge-train: invalid config: {composition_message(err)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     except ValueError as err:  # Optuna's sweeper, asked for the best of trials that all stopped
-        if str(err) != "No trials are completed yet." or not LAST_FAILED_POINT:
+        if "No trials are completed" not in str(err):
             raise
-        line, code = LAST_FAILED_POINT
-        print(f"forge-train: no trial of the search finished (the last: {line}); each one's folder says why",
-              file=sys.stderr)  # fmt: skip
+        line, code = LAST_FAILED_POINT or ("under another launcher", 1)
+        print(f"forge-train: no trial of the search finished (the last: {line}); each one's folder says why "
+              "(forge-sweep-report <the sweep's folder>)", file=sys.stderr)  # fmt: skip
         sys.exit(code)
     except PointFailed as err:  # raised again by Hydra's sweeper once every point has run
         if os.environ.get(SWEEP_POINT_ENV) != "1":
