@@ -38,12 +38,14 @@ def one_line(proc: subprocess.CompletedProcess) -> str:
 
 SLURM_MODULES = {
     "tests/test_readme.py",
+    "tests/launch/test_ray_launcher.py",
     "tests/launch/test_slurm.py",
     "tests/launch/test_sbatch.py",
     "tests/parallel/test_any_world.py",
 }
-"""Modules that use the one local SLURM cluster (the `slurm` session fixture starts and stops it): under
-pytest-xdist they run in one worker, one after another, so two never start, stop or fill the cluster at once."""
+"""Modules that use the one local SLURM cluster (the `slurm` session fixture starts and stops it), or start and stop
+a Ray cluster (the README's `ray stop` stops every Ray on the machine): under pytest-xdist they run in one worker, one
+after another, so two never start, stop or fill a cluster at once."""
 
 
 @pytest.hookimpl(optionalhook=True)
