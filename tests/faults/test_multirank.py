@@ -4,6 +4,7 @@ FORGE_FAULT_RANK_KILLS sets how many random SIGKILLs of one rank the kill test i
 two steps per kill, e.g. 100 kills train 204 steps).
 """
 
+import json
 import os
 import pickle
 import random
@@ -44,14 +45,32 @@ def resumed_from(out: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted two-rank run's loss curve."""
+def reference_run(tmp_path_factory):
+    """The uninterrupted two-rank run (its folder and output). Rank 1 works 0.1 s longer each step (a spin, no
+    change to any number): the straggler report must name it."""
     run_dir = tmp_path_factory.mktemp("reference2")
-    code, out = run_torchrun(run_dir)
+    code, out = run_torchrun(run_dir, "resilience.inject_slow_rank=1", "resilience.inject_slow_s=0.1")
     assert code == 0, out[-3000:]
-    curve = losses(run_dir)
+    return run_dir, out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """The uninterrupted two-rank run's loss curve."""
+    curve = losses(reference_run[0])
     assert sorted(curve) == list(range(1, STEPS + 1))
     return curve
+
+
+def test_a_slow_rank_is_named_on_every_log_step(reference_run):
+    run_dir, out = reference_run
+    records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(records) == STEPS
+    for record in records:  # its busy time is ~0.1 s, rank 0's some 20 ms
+        assert record["straggler_ranks"] == [1], record
+        assert record["busy_time_max_over_median"] > 2, record
+    lines = [line for line in out.splitlines() if "| loss " in line]
+    assert len(lines) == STEPS and all("| slow ranks 1 (busy " in line for line in lines), lines
 
 
 def test_a_stalled_rank_is_named_and_the_job_resumes_bitwise(tmp_path, reference):

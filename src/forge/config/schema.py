@@ -508,12 +508,20 @@ class ResilienceConfig:
     flight_recorder_entries: int = domain(2000, ge=0, means="0: off")
     """Collectives each rank's flight recorder keeps (torch's TORCH_FR_BUFFER_SIZE); a rank whose watchdog or
     liveness check ends the job writes them to RUN_DIR/flight_recorder/rank_<r> (forge.resilience.flight_recorder)."""
+    straggler_factor: float = domain(1.5, ge=0, means="0: off")
+    """A log step names the ranks whose busy time per step (on a CPU or waiting for one, not waiting for peers)
+    exceeds this many times the median of the ranks at the same pipeline stage, in the console line and the metrics
+    (straggler_ranks, busy_time_max_over_median; forge.resilience.stragglers)."""
     inject_nan_at_step: Optional[int] = domain(None, ge=1)
     """Fault-injection test hook: make the loss of this step NaN."""
     inject_stall_at_step: Optional[int] = domain(None, ge=1)
     """Fault-injection test hook: this step sleeps for an hour before it starts (a stalled rank)."""
     inject_stall_rank: Optional[int] = domain(None, ge=0)
     """Fault-injection test hook: only this rank stalls at inject_stall_at_step (None: every rank)."""
+    inject_slow_rank: Optional[int] = domain(None, ge=0)
+    """Fault-injection test hook: this rank works (spins on its CPU) inject_slow_s more in every step."""
+    inject_slow_s: float = domain(0.0, ge=0)
+    """Fault-injection test hook: the extra seconds of work of inject_slow_rank per step."""
 
 
 @dataclass

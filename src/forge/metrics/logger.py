@@ -11,6 +11,7 @@ from typing import Any
 
 from forge.config.schema import ConsoleMode
 from forge.metrics.trackers import Tracker, build_trackers
+from forge.resilience.progress import rank_ranges
 
 log = logging.getLogger("forge")
 
@@ -23,7 +24,8 @@ def format_duration(seconds: float) -> str:
 
 
 def speed_text(metrics: dict) -> str:
-    """' | step 0.123s (data 1%) | MFU 12.3% | mem 1.2/3.4 GiB' for the fields present."""
+    """' | step 0.123s (data 1%) | MFU 12.3% | mem 1.2/3.4 GiB | slow ranks 3 (busy 2.0x the median)' for the
+    fields present."""
     parts = []
     if "step_time" in metrics:
         data = metrics.get("data_wait")
@@ -35,6 +37,9 @@ def speed_text(metrics: dict) -> str:
         parts.append(f"mem {metrics['mem_allocated_gib']:.2f}/{metrics['mem_peak_gib']:.2f} GiB")
     elif "mem_rss_gib" in metrics:
         parts.append(f"rss {metrics['mem_rss_gib']:.2f} GiB")
+    if metrics.get("straggler_ranks"):
+        ranks = rank_ranges(metrics["straggler_ranks"])
+        parts.append(f"slow ranks {ranks} (busy {metrics['busy_time_max_over_median']:.1f}x the median)")
     return "".join(f" | {p}" for p in parts)
 
 

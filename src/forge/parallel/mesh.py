@@ -176,3 +176,11 @@ def start_sum_over_token_ranks(value: torch.Tensor, mesh: DeviceMesh | None) -> 
         return value, None
     total = value.detach().clone()
     return total, dist.all_reduce(total, group=sub.get_group(), async_op=True)
+
+
+def stage_groups(mesh: DeviceMesh | None, world_size: int) -> list[list[int]]:
+    """The ranks that do the same work, grouped: one group per pipeline stage, or every rank in one."""
+    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):
+        return [list(range(world_size))]
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0)
+    return [stage.flatten().tolist() for stage in ranks]

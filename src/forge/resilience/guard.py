@@ -15,6 +15,7 @@ from forge.resilience.liveness import EXIT_PEER_LOST, Liveness, PeerLostError, i
 from forge.resilience.nonfinite import NonFiniteError, NonFinitePolicy, StepFlags
 from forge.resilience.preemption import PreemptionHandler
 from forge.resilience.progress import ProgressBoard
+from forge.resilience.stragglers import StragglerClock, spin
 from forge.resilience.watchdog import StepWatchdog
 
 log = logging.getLogger("forge")
@@ -29,10 +30,17 @@ class RollbackRequested(Exception):
 
 
 class StepGuard:
-    def __init__(self, cfg, preemption: PreemptionHandler | None = None, run_dir: Path | None = None):
+    def __init__(
+        self,
+        cfg,
+        preemption: PreemptionHandler | None = None,
+        run_dir: Path | None = None,
+        stage_groups: list[list[int]] | None = None,
+    ):
         """`preemption`: a handler installed earlier (the trainer installs it first, so a signal during a long
         start-up still ends in a checkpoint and a requeue). `run_dir`: where a rank that ends the job writes its
-        flight recorder."""
+        flight recorder. `stage_groups`: the ranks whose busy times are compared (forge.parallel.mesh.stage_groups;
+        None: every rank)."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.preemption = preemption or PreemptionHandler(list(cfg.preemption_signals), cfg.preemption_deadline_s)
@@ -43,6 +51,8 @@ class StepGuard:
             self.watchdog = StepWatchdog(cfg.watchdog_factor, cfg.watchdog_min_s, peers=self.progress.report,
                                          on_fire=self.log_flight_recorder)  # fmt: skip
         self.liveness = Liveness(cfg.liveness_timeout_s, cfg.liveness_every_steps)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.stragglers = StragglerClock(cfg.straggler_factor, rank, stage_groups or [list(range(world))])
         self.bad_steps: set[int] = set()
         self.pending: list[StepFlags] = []  # launched steps' flags the host has not read yet, oldest first
         self.step: int | None = None  # the step in progress, for error messages
@@ -75,6 +85,11 @@ class StepGuard:
         self.step_finished()
         return stop
 
+    def _inject_slowness(self) -> None:
+        """Test hook (resilience.inject_slow_rank, inject_slow_s): this rank works longer in every step."""
+        if self.cfg.inject_slow_s and self.cfg.inject_slow_rank == (dist.get_rank() if dist.is_initialized() else 0):
+            spin(self.cfg.inject_slow_s)
+
     def _inject_stall(self, step: int) -> None:
         """Test hook (resilience.inject_stall_at_step, inject_stall_rank): this rank hangs before the step."""
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -83,11 +98,20 @@ class StepGuard:
             time.sleep(3600)
 
     def launch_check(
-        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: torch.Tensor | None = None
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+        log_step: bool = False,
     ) -> StepFlags:
-        """Start `step`'s check: its flags' all-reduce (non-finite values, a stop signal, and with `tokens`, this
-        rank's labelled tokens, their sum over every rank), without a host sync. `settle` reads it."""
-        flags = StepFlags(step, loss, grad_norm, self.preemption.received is not None, tokens)
+        """Start `step`'s check: its flags' all-reduce (non-finite values, a stop signal, with `tokens` this rank's
+        labelled tokens, their sum over every rank, and on a `log_step` every rank's busy time), without a host
+        sync. `settle` reads it."""
+        self._inject_slowness()
+        self.stragglers.step_done()
+        busy = self.stragglers.share(loss.device) if log_step else None
+        flags = StepFlags(step, loss, grad_norm, self.preemption.received is not None, tokens, busy)
         self.pending.append(flags)
         return flags
 
@@ -100,6 +124,8 @@ class StepGuard:
         while len(self.pending) > int(keep_newest):
             flags = self.pending.pop(0)
             bad, stop = flags.read()
+            if flags.busy_us:
+                self.stragglers.observe(flags.busy_us)
             self.preemption.agreed = bool(self.preemption.agreed) or stop
             finite = not bad or self._nonfinite(flags)
         return finite
@@ -149,6 +175,7 @@ class StepGuard:
         if self.watchdog:
             self.watchdog.step_started(step)
         if step is not None:
+            self.stragglers.step_started()
             self._inject_stall(step)
             self.progress.started(step)
             self.liveness.check(step)
@@ -186,7 +213,11 @@ class StepGuard:
             log.error("%s", line)
 
     def metrics(self) -> dict:
-        return {"skipped_steps": self.nonfinite.skipped, "rollbacks": self.nonfinite.rollbacks}
+        return {
+            "skipped_steps": self.nonfinite.skipped,
+            "rollbacks": self.nonfinite.rollbacks,
+            **self.stragglers.metrics(),
+        }
 
     def close(self) -> None:
         if self.watchdog:

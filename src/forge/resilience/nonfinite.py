@@ -24,20 +24,29 @@ class NonFinitePolicy:
 
 
 class StepFlags:
-    """One step's (non-finite on any rank, stop signalled on any rank, labelled tokens summed over every rank), as
-    one SUM all-reduce of three int64 on the training device, where separate checks would take a collective and a
-    host sync each. Launching them costs no host sync: the host reads them (`read`) when it must, from a copy
-    made as soon as the all-reduce is done (a pinned one on a GPU, behind an event), so reading step N's flags
-    while step N + 1 is queued waits for step N only."""
+    """One step's (non-finite on any rank, stop signalled on any rank, labelled tokens summed over every rank, and
+    on log steps every rank's busy time), as one SUM all-reduce of int64 on the training device, where separate
+    checks would take a collective and a host sync each. Launching them costs no host sync: the host reads them
+    (`read`) when it must, from a copy made as soon as the all-reduce is done (a pinned one on a GPU, behind an
+    event), so reading step N's flags while step N + 1 is queued waits for step N only."""
 
     def __init__(
-        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, signalled: bool, tokens: torch.Tensor | None
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        signalled: bool,
+        tokens: torch.Tensor | None,
+        busy: torch.Tensor | None = None,
     ):
+        """`busy`: one int64 per rank, this rank's busy time at its index (forge.resilience.stragglers)."""
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
         nonfinite = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
         count = loss.new_zeros((), dtype=torch.int64) if tokens is None else tokens.to(loss.device, torch.int64)
         signal = torch.full((), int(signalled), dtype=torch.int64, device=loss.device)  # filled there: no copy
         flags = torch.stack([nonfinite.reshape(()).to(torch.int64), signal, count.reshape(())])
+        if busy is not None:
+            flags = torch.cat([flags, busy])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags)
         self.device_flags = flags
@@ -62,5 +71,7 @@ class StepFlags:
         work."""
         if self.event is not None:
             self.event.synchronize()
-        bad, stop, _ = self.host.tolist()
+        bad, stop, _, *busy = self.host.tolist()
+        self.busy_us = busy or None
+        """Every rank's busy time (microseconds per step) when the step carried it."""
         return bad > 0, stop > 0

@@ -19,7 +19,7 @@ from forge.models.common.moe import moe_layers, moe_metrics, update_router_biase
 from forge.parallel import dist
 from forge.parallel.context_parallel import ContextSplit
 from forge.parallel.expert import sum_over_token_ranks_in_place
-from forge.parallel.mesh import build_mesh, dp_rank_and_size
+from forge.parallel.mesh import build_mesh, dp_rank_and_size, stage_groups
 from forge.parallel.pipeline import Pipeline, build_pipeline
 from forge.parallel.plan import float8_all_gather_enabled, parallelize, param_dtype
 from forge.resilience import EXIT_PREEMPTED, flight_recorder
@@ -123,7 +123,9 @@ class Trainer:
         if cfg.train.overfit_batches:
             self.loader = RepeatedBatches(self.loader, cfg.train.overfit_batches * self.grad_accum)
         self.state = self.restore()
-        self.guard = StepGuard(cfg.resilience, self.preemption, run_dir=self.run_dir)
+        self.guard = StepGuard(
+            cfg.resilience, self.preemption, self.run_dir, stage_groups(self.mesh, self.degrees.world_size)
+        )
         self.preempted = False
         self.metrics = (
             build_metrics_logger(cfg, self.run_dir, self.state.tracker_ids) if dist.is_main_process() else NullMetrics()
@@ -235,7 +237,7 @@ class Trainer:
         folded = self.step_body.count_folded  # the gradients wait for the step's token count, summed with the flags
         grad_norm = self.step_body.clip_grad_norm(0.0 if folded else train.grad_clip)
         rank_loss = loss_sum / tokens.clamp(min=1)  # this rank's mean, for the check and its message
-        flags = self.guard.launch_check(step, rank_loss, grad_norm, tokens if folded else None)
+        flags = self.guard.launch_check(step, rank_loss, grad_norm, tokens if folded else None, self.is_log_step(step))
         if folded:
             grad_norm = self.step_body.finish_token_mean(flags.world_tokens, grad_norm, train.grad_clip)
         finite, mask = True, None
