@@ -163,6 +163,35 @@ CASES = [
         2,
         ["resilience.inject_stall_rank=2", "world size 2"],
     ),
+    (
+        ["resilience.fault_tolerance=torchft", "resilience.ft_replica_id=2", "resilience.ft_replicas=2"],
+        1,
+        ["resilience.ft_replica_id=2 is not a group of resilience.ft_replicas=2"],
+    ),
+    (
+        ["resilience.fault_tolerance=torchft", "resilience.ft_replicas=2", "resilience.ft_min_replicas=3"],
+        1,
+        ["resilience.ft_min_replicas=3 exceeds resilience.ft_replicas=2"],
+    ),
+    (
+        [
+            "resilience.fault_tolerance=torchft",
+            "resilience.ft_replicas=3",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+        ],
+        1,
+        [
+            "train.global_batch_size=8 is not divisible by train.micro_batch_size=2 x data-parallel ranks=1 x "
+            "resilience.ft_replicas=3"
+        ],
+    ),  # fmt: skip
+    (
+        ["resilience.fault_tolerance=torchft", "parallel=pp2", "train.micro_batch_size=4"],
+        2,
+        ["resilience.fault_tolerance=torchft with parallel.pp=2"],
+    ),
+    (["resilience.fault_tolerance=maybe"], 1, ["resilience.fault_tolerance='maybe'"]),
     (["loss=chunked_cross_entropy", "loss.chunk_size=0"], 1, ["loss.chunk_size=0"]),
     (["loss=chunked_cross_entropy", "parallel=tp2"], 2, ["loss=chunked_cross_entropy", "parallel.tp=2"]),
     (["loss=z_loss", "parallel=pp2", "train.micro_batch_size=4"], 2, ["loss.z_loss_weight=0.0001", "parallel.pp=2"]),

@@ -31,24 +31,27 @@ def read_only(cfg: DictConfig) -> Iterator[None]:
         OmegaConf.set_readonly(cfg, flag)
 
 
-def fill_micro_batch(train: DictConfig, dp: int) -> None:
-    """Set train.micro_batch_size when it is null: global_batch_size / dp, or its largest divisor not above
-    train.max_micro_batch_size (the rest is gradient accumulation). A given value is only checked."""
+def fill_micro_batch(train: DictConfig, dp: int, replicas: int = 1) -> None:
+    """Set train.micro_batch_size when it is null: global_batch_size / (dp x replicas), or its largest divisor not
+    above train.max_micro_batch_size (the rest is gradient accumulation). A given value is only checked.
+    `replicas`: torchft's replica groups, which split the global batch too."""
     batch, micro, cap = train.global_batch_size, train.micro_batch_size, train.get("max_micro_batch_size")
+    ranks = dp * replicas
+    where = f"data-parallel ranks={dp}" + (f" x resilience.ft_replicas={replicas}" if replicas > 1 else "")
     if micro is not None:
         require(
-            batch % (micro * dp) == 0,
-            f"train.global_batch_size={batch} is not divisible by train.micro_batch_size={micro} x data-parallel "
-            f"ranks={dp} (leave train.micro_batch_size unset to split the global batch over the ranks)",
+            batch % (micro * ranks) == 0,
+            f"train.global_batch_size={batch} is not divisible by train.micro_batch_size={micro} x {where} (leave "
+            "train.micro_batch_size unset to split the global batch over the ranks)",
         )
         return
     require(
-        batch % dp == 0,
-        f"train.global_batch_size={batch} cannot be split over {dp} data-parallel ranks: make it a multiple of {dp}",
+        batch % ranks == 0,
+        f"train.global_batch_size={batch} cannot be split over {where}: make it a multiple of {ranks}",
     )
-    per_rank = batch // dp
+    per_rank = batch // ranks
     if cap is not None:
-        per_rank = max(d for d in range(1, min(cap, per_rank) + 1) if (batch // dp) % d == 0)
+        per_rank = max(d for d in range(1, min(cap, per_rank) + 1) if (batch // ranks) % d == 0)
     train.micro_batch_size = per_rank
 
 

@@ -477,6 +477,10 @@ NonfinitePolicy = StrEnum(
 """ResilienceConfig.nonfinite_policy's choices (forge.resilience.nonfinite)."""
 
 
+FaultTolerance = StrEnum("FaultTolerance", [(name, name) for name in ("none", "torchft")], module=__name__)
+"""ResilienceConfig.fault_tolerance's choices (forge.resilience.replica_groups)."""
+
+
 @dataclass
 class ResilienceConfig:
     """Preemption, non-finite values, hangs."""
@@ -512,6 +516,20 @@ class ResilienceConfig:
     """A log step names the ranks whose busy time per step (on a CPU or waiting for one, not waiting for peers)
     exceeds this many times the median of the ranks at the same pipeline stage, in the console line and the metrics
     (straggler_ranks, busy_time_max_over_median; forge.resilience.stragglers)."""
+    fault_tolerance: FaultTolerance = FaultTolerance["none"]
+    """torchft: this job is replica group ft_replica_id of ft_replicas (each its own torchrun job, started by
+    forge.launch.replica_groups with torchft's lighthouse): the groups average their gradients each step, and when
+    one is lost the others step on while it restarts and copies its state from a live group (not from disk)."""
+    ft_replica_id: int = domain(0, ge=0)
+    """Under torchft: this group's index (its share of each global batch)."""
+    ft_replicas: int = domain(1, ge=1)
+    """Under torchft: the number of replica groups; train.global_batch_size is split over all of them."""
+    ft_min_replicas: int = domain(1, ge=1)
+    """Under torchft: a step commits only when at least this many groups took part."""
+    ft_lighthouse: Optional[str] = domain(None, non_empty=True)
+    """Under torchft: the lighthouse's address (None: $TORCHFT_LIGHTHOUSE, which forge.launch.replica_groups sets)."""
+    ft_timeout_s: float = domain(30.0, gt=0)
+    """Under torchft: how long a quorum, the cross-group all-reduce or a state transfer may take."""
     inject_nan_at_step: Optional[int] = domain(None, ge=1)
     """Fault-injection test hook: make the loss of this step NaN."""
     inject_stall_at_step: Optional[int] = domain(None, ge=1)

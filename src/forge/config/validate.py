@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
@@ -309,13 +310,32 @@ def validate_hf_export(cfg: DictConfig) -> None:
         raise ConfigError(f"checkpoint.save_hf=true: {err}") from None
 
 
-def validate_resilience(cfg: DictConfig) -> None:
+def validate_resilience(cfg: DictConfig, degrees: Degrees) -> None:
     res = cfg.resilience
     if res.nonfinite_policy == "rollback":
         require(
             cfg.checkpoint.interval > 0,
             "resilience.nonfinite_policy=rollback needs periodic checkpoints (checkpoint.interval > 0)",
         )
+    if res.fault_tolerance == "torchft":
+        validate_replica_groups(cfg, degrees)
+
+
+def validate_replica_groups(cfg: DictConfig, degrees: Degrees) -> None:
+    """resilience.fault_tolerance=torchft: the group is one of ft_replicas and torchft is installed (the groups'
+    shares of the global batch are checked with the micro-batch, forge.config.resolve.fill_micro_batch)."""
+    res = cfg.resilience
+    prefix = "resilience.fault_tolerance=torchft"
+    require(importlib.util.find_spec("torchft") is not None, f"{prefix} needs torchft: pip install 'forge-train[ft]'")
+    require(
+        res.ft_replica_id < res.ft_replicas,
+        f"resilience.ft_replica_id={res.ft_replica_id} is not a group of resilience.ft_replicas={res.ft_replicas}",
+    )
+    require(
+        res.ft_min_replicas <= res.ft_replicas,
+        f"resilience.ft_min_replicas={res.ft_min_replicas} exceeds resilience.ft_replicas={res.ft_replicas}",
+    )
+    require(degrees.pp == 1, f"{prefix} with parallel.pp={degrees.pp} is not supported: pipeline stages are untested")
 
 
 def validate_fault_injection(cfg: DictConfig, world_size: int) -> None:
@@ -504,7 +524,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> Degrees:
     validate_required(cfg)
     validate_domains(cfg)  # each field's own range, before the rules between fields
     degrees = resolve_degrees(cfg.parallel, world_size)
-    fill_micro_batch(cfg.train, degrees.dp)
+    res = cfg.resilience
+    fill_micro_batch(cfg.train, degrees.dp, res.ft_replicas if res.fault_tolerance == "torchft" else 1)
     with read_only(cfg):  # the rules read: a rule that wrote would fail here, not change the run
         check_rules(cfg, degrees)
     if typed:
@@ -537,7 +558,7 @@ def check_rules(cfg: DictConfig, degrees: Degrees) -> None:
     validate_context_parallel(cfg, degrees)
     validate_combinations(cfg, degrees)
     validate_checkpoint(cfg)
-    validate_resilience(cfg)
+    validate_resilience(cfg, degrees)
     validate_fault_injection(cfg, degrees.world_size)
     validate_vlm(cfg, degrees)
     validate_loss(cfg, degrees)

@@ -101,9 +101,13 @@ class Trainer:
         self.mesh = build_mesh(self.degrees, self.device.type)
         self.sum_loads = sum_over_token_ranks_in_place(self.mesh)  # the routers' loads, for their bias update
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
+        # under torchft the replica groups split the global batch: this rank reads its group's share
+        replicas = res.ft_replicas if res.fault_tolerance == "torchft" else 1
+        self.data_rank = res.ft_replica_id * self.dp_size + self.dp_rank if replicas > 1 else self.dp_rank
+        self.data_size = self.dp_size * replicas
 
         self.loss_fn = build.build_loss(cfg)
-        self.grad_accum = train.global_batch_size // (train.micro_batch_size * self.dp_size)
+        self.grad_accum = train.global_batch_size // (train.micro_batch_size * self.data_size)
         self.tokens_per_step = train.global_batch_size * train.seq_len
         self.eval_micro_batches = train.eval_batches * self.grad_accum  # per rank: eval_batches global batches
         defer = cfg.parallel.get("defer_grad_sync")
@@ -119,13 +123,14 @@ class Trainer:
         self.optimizer, self.scheduler = build.build_optimizer(cfg, self.model)
         set_optimizer_mode(self.optimizer, "train")  # schedule-free: DCP's state init takes a (zero-lr) step
         self.masked_updates = masks_on_device(self.optimizer)  # a non-finite step's update is dropped on the device
-        self.loader = build.build_loader(cfg, self.corpus, self.dp_rank, self.dp_size)
+        self.loader = build.build_loader(cfg, self.corpus, self.data_rank, self.data_size)
         if cfg.train.overfit_batches:
             self.loader = RepeatedBatches(self.loader, cfg.train.overfit_batches * self.grad_accum)
         self.state = self.restore()
         self.guard = StepGuard(
             cfg.resilience, self.preemption, self.run_dir, stage_groups(self.mesh, self.degrees.world_size)
         )
+        self.replicas = self.join_replica_groups()
         self.preempted = False
         self.metrics = (
             build_metrics_logger(cfg, self.run_dir, self.state.tracker_ids) if dist.is_main_process() else NullMetrics()
@@ -142,6 +147,44 @@ class Trainer:
             self.grad_accum,
             self.device,
             self.dtype,
+        )
+
+    def join_replica_groups(self):
+        """Under resilience.fault_tolerance=torchft, this rank's part in the replica groups (else None). Their
+        gradients are averaged as token means, so the step body divides by its own token count first."""
+        if self.cfg.resilience.fault_tolerance != "torchft":
+            return None
+        from forge.resilience.replica_groups import ReplicaGroups
+
+        self.step_body.count_folded = False
+        return ReplicaGroups(self.cfg.resilience, self.device, self.replica_state, self.load_replica_state)
+
+    def replica_state(self) -> dict:
+        """What a live replica group sends a restarted one: this rank's local shards and the run's position."""
+        from forge.resilience.replica_groups import local_tree
+
+        return {
+            "model": local_tree(self.model.state_dict()),
+            "optimizer": local_tree(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "loader": self.loader.state_dict(),
+            "step": self.state.step,
+            "tokens_seen": self.state.tokens_seen,
+        }
+
+    def load_replica_state(self, state: dict) -> None:
+        from forge.resilience.replica_groups import load_model_shards, load_optimizer_shards
+
+        load_model_shards(self.model, state["model"])
+        load_optimizer_shards(self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        self.state.step, self.state.tokens_seen = state["step"], state["tokens_seen"]
+        self.meter.restart(self.state.step, self.state.tokens_seen)
+        log.warning(
+            "replica group %d: took a live group's state at step %d (weights, optimizer, schedule, data position)",
+            self.cfg.resilience.ft_replica_id,
+            self.state.step,
         )
 
     def build_model_and_data(self) -> None:
@@ -234,6 +277,8 @@ class Trainer:
         with self.meter.waiting_for_data():
             batches = [self.loader.next_batch() for _ in range(self.grad_accum)]
         loss_sum, tokens = self.step_body.forward_backward(batches, self.guard.loss_for(step, self.loss_fn))
+        if self.replicas is not None:
+            self.replicas.average_gradients(self.model)
         folded = self.step_body.count_folded  # the gradients wait for the step's token count, summed with the flags
         grad_norm = self.step_body.clip_grad_norm(0.0 if folded else train.grad_clip)
         rank_loss = loss_sum / tokens.clamp(min=1)  # this rank's mean, for the check and its message
@@ -246,7 +291,8 @@ class Trainer:
             mask = self.guard.update_mask(flags)
         else:
             finite = self.guard.settle()
-        if finite:
+        committed = self.replicas is None or self.replicas.commit(step)  # every rank of the group asks
+        if finite and committed:
             with applied_where(self.optimizer, mask):
                 self.optimizer.step()
             # sigmoid routers: outside the gradient; the loads are summed over ranks only where needed
@@ -352,6 +398,8 @@ class Trainer:
         finally:
             forget_metrics_on_exit()
             self.guard.close()
+            if self.replicas is not None:
+                self.replicas.close()
             if self.run_lock is not None:
                 self.run_lock.release()
 
@@ -378,6 +426,7 @@ class Trainer:
                 "tokens_seen": self.state.tokens_seen,
                 **self.loader.metrics(),
                 **self.guard.metrics(),
+                **(self.replicas.metrics() if self.replicas is not None else {}),
                 **moe_metrics(self.model),
             },
         )
@@ -419,6 +468,10 @@ class Trainer:
             loss = loss_sum = torch.full((), float("nan"))  # no step run: no training loss
             tokens = torch.ones(())
             while self.state.step < train.steps and not self.preempted:
+                if self.replicas is not None:
+                    self.replicas.start_step()  # the quorum; a restarted group takes a live group's state here
+                    if self.state.step >= train.steps:
+                        break
                 step = self.state.step + 1
                 lr = self.optimizer.param_groups[0]["lr"]  # includes a data phase's lr_scale
                 self.profiler.step_started(step)

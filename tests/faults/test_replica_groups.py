@@ -1,0 +1,118 @@
+"""Replica groups under torchft (resilience.fault_tolerance=torchft, forge.launch.replica_groups): two groups of one
+rank each, on gloo, with torchft's lighthouse. Group 1's rank is SIGKILLed mid-run: group 0 steps on alone with no
+restart, torchrun restarts group 1, which takes group 0's state over HTTP (not from disk) and trains with it to
+the end; the two groups' final weights are then equal, bit for bit."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from forge.checkpoint.layout import latest_checkpoint
+from tests.conftest import ROOT
+from tests.faults.conftest import RUN
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+STEPS = 400
+KILL_AFTER = 20
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line]
+
+
+def both_past(step: int, *run_dirs: Path) -> bool:
+    """Each group logged `step` or later, in a quorum of both (the first to start may train alone a few steps and
+    the other then joins it by taking its state)."""
+    last = [records(run_dir)[-1:] for run_dir in run_dirs]
+    return all(r and r[0]["step"] >= step and r[0]["replica_groups"] == 2 for r in last)
+
+
+def worker_of_group(group: int) -> int:
+    """The pid of the forge-train worker of replica group `group` (torchrun's child, with a RANK)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"resilience.ft_replica_id={group}".encode() in cmdline and any(v.startswith(b"RANK=") for v in environ):
+            return int(entry.name)
+    raise AssertionError(f"no worker of replica group {group}")
+
+
+def final_weights(run_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    whole = tmp_path / f"{run_dir.name}.pt"
+    dcp_to_torch_save(latest_checkpoint(run_dir / "checkpoints"), whole)
+    return torch.load(whole, weights_only=True)["model"]
+
+
+def test_a_lost_group_restarts_and_takes_a_live_groups_state_while_the_other_steps_on(tmp_path):
+    overrides = [*RUN, f"train.steps={STEPS}", "checkpoint.interval=1000"]  # one checkpoint: the last step's
+    cmd = [sys.executable, "-m", "forge.launch.replica_groups", "--groups=2", "--max-restarts=1",
+           f"--run-dir={tmp_path}", "--", *overrides]  # fmt: skip
+    launcher = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        group0, group1 = tmp_path / "replica_0", tmp_path / "replica_1"
+        deadline = time.monotonic() + 120
+        while not both_past(KILL_AFTER, group0, group1) and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert both_past(KILL_AFTER, group0, group1), launcher.communicate(timeout=5)[0][-3000:]
+        os.kill(worker_of_group(1), signal.SIGKILL)
+        killed_at = records(group0)[-1]["step"]
+        out, _ = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, out[-4000:]
+
+    survivor = {r["step"]: r for r in records(group0)}
+    assert len(survivor) == len(records(group0)), "group 0 trained no step twice"
+    assert sorted(survivor) == list(range(min(survivor), STEPS + 1)), "group 0 trained every step to the end"
+    assert (group0 / "forge.log").read_text().count(" parameters | ") == 1, "group 0 never restarted"
+    log1 = (group1 / "forge.log").read_text()  # the restarted attempt's
+    took = [line for line in log1.splitlines() if "took a live group's state at step" in line]
+    assert len(took) >= 1, log1[-3000:]
+    rejoined = int(took[-1].split("at step ")[1].split()[0])
+    assert killed_at <= rejoined < STEPS, (killed_at, rejoined)
+    alone = [survivor[step]["replica_groups"] for step in range(killed_at + 2, rejoined + 1)]
+    assert alone and set(alone) == {1}, "group 0 stepped on alone while group 1 was down"
+    together = [survivor[step]["replica_groups"] for step in range(rejoined + 1, STEPS + 1)]
+    assert set(together) == {2}, "and with group 1 from its rejoin on"
+
+    after = {r["step"]: r for r in records(group1) if r["step"] > rejoined}
+    assert sorted(after) == list(range(rejoined + 1, STEPS + 1))
+    for step in after:  # the same averaged gradients on both groups from the rejoin on
+        assert after[step]["grad_norm"] == survivor[step]["grad_norm"], step
+    weights0, weights1 = final_weights(group0, tmp_path), final_weights(group1, tmp_path)
+    assert weights0.keys() == weights1.keys()
+    for name in weights0:
+        assert torch.equal(weights0[name], weights1[name]), name
+
+
+def test_a_refused_config_starts_no_group(tmp_path):
+    cmd = [sys.executable, "-m", "forge.launch.replica_groups", "--groups=3", f"--run-dir={tmp_path / 'ft'}", "--",
+           "train.global_batch_size=8", "train.micro_batch_size=2"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and not (tmp_path / "ft").exists(), result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "forge.launch.replica_groups: invalid config: train.global_batch_size=8 is not divisible by "
+        "train.micro_batch_size=2 x data-parallel ranks=1 x resilience.ft_replicas=3 (leave train.micro_batch_size "
+        "unset to split the global batch over the ranks)"
+    ]
