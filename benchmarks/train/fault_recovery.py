@@ -11,7 +11,8 @@ run has logged step --kill-after (checkpoints every --interval steps). Modes:
   shrink    an elastic job of 1-2 nodes (one rank each, c10d rendezvous) loses a node: its rank and its agent; the
             rank left goes on with the same global batch
   torchft   two replica groups of one rank (forge.launch.replica_groups); group 1's rank is killed: group 0 steps on
-            alone and group 1 restarts and takes its state (steps trained again: group 0's dropped updates)
+            alone and group 1 restarts and takes its state (steps trained again: the updates group 0 dropped, each
+            step then trained again with the next batches)
 Steps trained again: the last step logged before the kill minus the step the next attempt resumed from. Seconds:
 from the kill to the first step logged after it that the last attempt had not reached (under torchft: group 0's
 next step, and in brackets until group 1 trains again). Medians over --rounds.

@@ -192,6 +192,13 @@ CASES = [
         ["resilience.fault_tolerance=torchft with parallel.pp=2"],
     ),
     (["resilience.fault_tolerance=maybe"], 1, ["resilience.fault_tolerance='maybe'"]),
+    (
+        ["resilience.fault_tolerance=torchft", "resilience.nonfinite_policy=rollback", "checkpoint.interval=5"],
+        1,
+        ["resilience.fault_tolerance=torchft with resilience.nonfinite_policy=rollback"],
+    ),
+    (["resilience.fault_tolerance=torchft", "model=moe_tiny"], 1, ["resilience.fault_tolerance=torchft with an MoE"]),
+    (["resilience.straggler_factor=0.5"], 1, ["resilience.straggler_factor=0.5 must be 0 (off) or > 1"]),
     (["loss=chunked_cross_entropy", "loss.chunk_size=0"], 1, ["loss.chunk_size=0"]),
     (["loss=chunked_cross_entropy", "parallel=tp2"], 2, ["loss=chunked_cross_entropy", "parallel.tp=2"]),
     (["loss=z_loss", "parallel=pp2", "train.micro_batch_size=4"], 2, ["loss.z_loss_weight=0.0001", "parallel.pp=2"]),

@@ -528,8 +528,12 @@ class ResilienceConfig:
     """Under torchft: a step commits only when at least this many groups took part."""
     ft_lighthouse: Optional[str] = domain(None, non_empty=True)
     """Under torchft: the lighthouse's address (None: $TORCHFT_LIGHTHOUSE, which forge.launch.replica_groups sets)."""
-    ft_timeout_s: float = domain(30.0, gt=0)
+    ft_timeout_s: float = domain(60.0, gt=0)
     """Under torchft: how long a quorum, the cross-group all-reduce or a state transfer may take."""
+    ft_join_timeout_s: float = domain(120.0, ge=0)
+    """Under torchft: how long a group that starts (or restarts) waits for all ft_replicas groups in its first
+    quorum before it trains with those present (so that groups resumed at different steps meet, and the ones behind
+    take the state of the one ahead)."""
     inject_nan_at_step: Optional[int] = domain(None, ge=1)
     """Fault-injection test hook: make the loss of this step NaN."""
     inject_stall_at_step: Optional[int] = domain(None, ge=1)

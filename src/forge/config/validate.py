@@ -317,6 +317,10 @@ def validate_resilience(cfg: DictConfig, degrees: Degrees) -> None:
             cfg.checkpoint.interval > 0,
             "resilience.nonfinite_policy=rollback needs periodic checkpoints (checkpoint.interval > 0)",
         )
+    require(
+        res.straggler_factor == 0 or res.straggler_factor > 1,
+        f"resilience.straggler_factor={res.straggler_factor} must be 0 (off) or > 1 (a factor over the median)",
+    )
     if res.fault_tolerance == "torchft":
         validate_replica_groups(cfg, degrees)
 
@@ -336,6 +340,15 @@ def validate_replica_groups(cfg: DictConfig, degrees: Degrees) -> None:
         f"resilience.ft_min_replicas={res.ft_min_replicas} exceeds resilience.ft_replicas={res.ft_replicas}",
     )
     require(degrees.pp == 1, f"{prefix} with parallel.pp={degrees.pp} is not supported: pipeline stages are untested")
+    require(
+        res.nonfinite_policy != "rollback",
+        f"{prefix} with resilience.nonfinite_policy=rollback is not supported: each group would reload its own "
+        "checkpoint (use skip or raise)",
+    )
+    require(
+        cfg.model.get("moe") is None,
+        f"{prefix} with an MoE model is not supported: the routers' load balancing is per group",
+    )
 
 
 def validate_fault_injection(cfg: DictConfig, world_size: int) -> None:

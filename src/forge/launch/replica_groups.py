@@ -30,7 +30,7 @@ def lighthouse_command(port: int, min_replicas: int, heartbeat_timeout_ms: int) 
     binary = str(binary) if binary.exists() else shutil.which("torchft_lighthouse")
     if binary is None:
         raise SystemExit("forge.launch.replica_groups: torchft_lighthouse not found (pip install 'forge-train[ft]')")
-    return [binary, "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas), "--quorum_tick_ms", "100",
+    return [binary, "--bind", f"0.0.0.0:{port}", "--min_replicas", str(min_replicas), "--quorum_tick_ms", "100",
             "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)]  # fmt: skip
 
 

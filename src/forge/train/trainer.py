@@ -109,7 +109,10 @@ class Trainer:
         self.loss_fn = build.build_loss(cfg)
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * self.data_size)
         self.tokens_per_step = train.global_batch_size * train.seq_len
-        self.eval_micro_batches = train.eval_batches * self.grad_accum  # per rank: eval_batches global batches
+        # per rank: eval_batches global batches over this group's data-parallel ranks
+        self.eval_micro_batches = (
+            train.eval_batches * train.global_batch_size // (train.micro_batch_size * self.dp_size)
+        )
         defer = cfg.parallel.get("defer_grad_sync")
         self.defer_grad_sync = self.degrees.fsdp_shard == 1 if defer is None else defer  # sharded: reduce each time
         # a pipeline's step keeps its casts for the schedule's chunks (one autocast scope around the schedule)
@@ -158,6 +161,14 @@ class Trainer:
 
         self.step_body.count_folded = False
         return ReplicaGroups(self.cfg.resilience, self.device, self.replica_state, self.load_replica_state)
+
+    def stop_uncommitted(self) -> None:
+        """After a dropped step under torchft: nothing to do unless a stop was signalled, then the checkpoint of the
+        last committed step."""
+        if self.preempted:
+            with self.meter.paused():
+                self.save_checkpoint()
+            self.log_preempted(self.state.step)
 
     def replica_state(self) -> dict:
         """What a live replica group sends a restarted one: this rank's local shards and the run's position."""
@@ -292,7 +303,10 @@ class Trainer:
         else:
             finite = self.guard.settle()
         committed = self.replicas is None or self.replicas.commit(step)  # every rank of the group asks
-        if finite and committed:
+        if not committed:  # a lost peer group: the step is trained again, torchft's step count did not move
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss_sum, tokens, grad_norm
+        if finite:
             with applied_where(self.optimizer, mask):
                 self.optimizer.step()
             # sigmoid routers: outside the gradient; the loads are summed over ranks only where needed
@@ -469,7 +483,7 @@ class Trainer:
             tokens = torch.ones(())
             while self.state.step < train.steps and not self.preempted:
                 if self.replicas is not None:
-                    self.replicas.start_step()  # the quorum; a restarted group takes a live group's state here
+                    self.replicas.start_step(self.state.step)  # a group behind takes a live group's state here
                     if self.state.step >= train.steps:
                         break
                 step = self.state.step + 1
@@ -484,6 +498,9 @@ class Trainer:
                         self.preempted = self.guard.after_step(step, self.reads_host(step), self.device)
                 except RollbackRequested as rollback:
                     self.roll_back(rollback.step)
+                    continue
+                if self.replicas is not None and not self.replicas.committed:
+                    self.stop_uncommitted()
                     continue
                 self.state.step = step
                 self.state.tokens_seen += self.tokens_per_step
