@@ -4,8 +4,10 @@ A slow rank does not show in its peers' step times, nor in its own: every collec
 step lasts as long as the slowest one's. What differs is how much of the step a rank spent working. The clock
 therefore measures each rank's busy time: its main thread's time on a CPU plus its time waiting for one (a CPU
 shared with other work counts as busy, a wait in a collective or for data does not), from Linux's per-thread
-scheduler statistics. On a GPU this is the host's side of the step (launching kernels, loading data): a rank whose
-device alone is slow is not seen.
+scheduler statistics, from the step's start to its check (data, forward, backward, clipping; the optimizer step
+comes after the check and is not counted). On a GPU this is the host's side of the step (launching kernels,
+loading data): a rank whose device alone is slow is not seen, and a host sync (an MoE layer's split sizes, an
+`.item()`) spins by default, so its wait counts as busy.
 
 Each log step, every rank's mean busy time per step since the last log step rides in the step's flags all-reduce
 (one int64 per rank; no collective of its own). Ranks are compared with the median of the ranks that do the same
