@@ -128,7 +128,11 @@ CASES = [
         ["balanced_selection with model.moe.expert_groups=4", "not the groups a token keeps"],
     ),
     (["model=moe", "model.moe.capacity_factor=-1"], 1, ["model.moe.capacity_factor=-1"]),
-    (["parallel=pp2", "model.n_layers=3", "train.micro_batch_size=4"], 2, ["model.n_layers=3", "parallel.pp=2"]),
+    (
+        ["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b", "model.n_layers=3", "train.micro_batch_size=4"],
+        2,
+        ["model.n_layers=3 cannot be split over the 4 pipeline stages", "parallel.pp=2", "each needs a block"],
+    ),
     (["parallel=pp2", "model.n_layers=1", "train.micro_batch_size=4"], 2, ["cannot be split"]),
     (
         ["parallel=pp2_fsdp", "parallel.pp_schedule=zbv", "model.n_layers=4", "train.micro_batch_size=4"],

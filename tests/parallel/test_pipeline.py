@@ -25,11 +25,13 @@ REFERENCE = {
     "single": ["parallel=single", "train.micro_batch_size=8"],
     "single_4l": ["parallel=single", "train.micro_batch_size=8", *FOUR_LAYERS],
     "single_tied": ["parallel=single", "train.micro_batch_size=8", "model.tie_embeddings=true"],
+    "single_3l": ["parallel=single", "train.micro_batch_size=8", "model.n_layers=3"],
 }
 TWO_RANKS = {
     "pp2_gpipe": ["parallel=pp2", "parallel.pp_schedule=gpipe", "train.micro_batch_size=8"],
     "pp2_1f1b": ["parallel=pp2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=8"],
     "pp2_1f1b_accum": ["parallel=pp2", "train.micro_batch_size=4", "parallel.microbatches=2"],
+    "pp2_uneven": ["parallel=pp2", "train.micro_batch_size=8", "model.n_layers=3"],  # stages of 2 and 1 blocks
     "pp2_interleaved": [
         "parallel=pp2",
         "parallel.pp_schedule=interleaved_1f1b",
@@ -62,6 +64,7 @@ TP_STAGES = {
     "tp2_pp2_zbv": [*TP2_PP2, "parallel.pp_schedule=zbv", *FOUR_LAYERS],
 }
 REFERENCE_OF = {
+    "pp2_uneven": "single_3l",
     "pp2_interleaved": "single_4l",
     "pp2_interleaved_zb": "single_4l",
     "pp2_zbv": "single_4l",
@@ -116,6 +119,7 @@ def test_pp2_matches_one_process(layout, two_ranks, reference):
 def test_stages_hold_disjoint_blocks(two_ranks):
     assert two_ranks[0]["pp2_1f1b"]["blocks"] == ["layers.0"]
     assert two_ranks[1]["pp2_1f1b"]["blocks"] == ["layers.1"]
+    assert [rank["pp2_uneven"]["blocks"] for rank in two_ranks] == [["layers.0", "layers.1"], ["layers.2"]]
     # interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 (ModuleList of two stage modules)
     assert (
         two_ranks[0]["pp2_interleaved"]["local_params"] + two_ranks[1]["pp2_interleaved"]["local_params"]
@@ -228,3 +232,14 @@ def test_four_dimensional_layout_matches_one_process(tmp_path, reference):
     scenario = {"tp2_cp2_pp2": ["parallel.tp=2", "parallel.cp=2", *TP2_PP2[1:]]}
     runs = launch(run_pipeline_scenarios, 8, scenario, str(tmp_path))
     assert_same_curves(runs[0]["tp2_cp2_pp2"], reference["single"])
+
+
+def test_stage_sizes_are_as_even_as_the_count_allows():
+    from forge.parallel.pipeline import stage_sizes
+
+    assert stage_sizes(126, 8) == [15, 16, 16, 16, 16, 16, 16, 15]  # llama3_405b over pp8: the middle ones more
+    assert stage_sizes(3, 2) == [2, 1] and stage_sizes(5, 4) == [1, 2, 1, 1] and stage_sizes(8, 4) == [2] * 4
+    for layers in range(4, 40):
+        for stages in range(1, 5):
+            sizes = stage_sizes(layers, stages)
+            assert sum(sizes) == layers and max(sizes) - min(sizes) <= 1, (layers, stages, sizes)

@@ -217,15 +217,11 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         )
     if degrees.pp > 1:
         require(cfg.get("vlm") is None, f"parallel.pp={degrees.pp} is not supported with a VLM (vlm is set)")
-        require(
-            model.n_layers >= degrees.pp,
-            f"model.n_layers={model.n_layers} cannot be split over parallel.pp={degrees.pp} stages",
-        )
         stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
         require(
-            model.n_layers % stages == 0,
-            f"model.n_layers={model.n_layers} is not divisible by the {stages} pipeline stages "
-            f"(parallel.pp={degrees.pp}, parallel.pp_schedule={parallel.pp_schedule})",
+            model.n_layers >= stages,
+            f"model.n_layers={model.n_layers} cannot be split over the {stages} pipeline stages "
+            f"(parallel.pp={degrees.pp}, parallel.pp_schedule={parallel.pp_schedule}): each needs a block",
         )
         schedule = str(parallel.pp_schedule)
         if schedule in ZERO_BUBBLE:

@@ -22,6 +22,7 @@ stay equal, bit for bit, as Megatron-LM keeps its embedding group. The gradient 
 """
 
 import copy
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -201,10 +202,21 @@ def rank_stages(schedule: str, pp: int, pp_rank: int) -> list[int]:
     return [pp_rank, 2 * pp - 1 - pp_rank] if schedule in V_SHAPED else [pp_rank, pp_rank + pp]
 
 
+def stage_sizes(n_layers: int, n_stages: int) -> list[int]:
+    """Blocks per stage: n_layers // n_stages each, and the rest one more each on the middle stages first (the first
+    stage also embeds, the last one runs the head and the loss), then on the first and the last: 126 blocks on 8
+    stages are 15, 16 x 6, 15."""
+    sizes = [n_layers // n_stages] * n_stages
+    middle = list(range(1, n_stages - 1))
+    for stage in (middle + [0, n_stages - 1])[: n_layers % n_stages]:
+        sizes[stage] += 1
+    return sizes
+
+
 def stage_layers(n_layers: int, n_stages: int) -> list[list[str]]:
-    """Block keys of each stage: equal runs of consecutive blocks (validate() checks divisibility)."""
-    per = n_layers // n_stages
-    return [[str(i) for i in range(s * per, (s + 1) * per)] for s in range(n_stages)]
+    """Block keys of each stage: runs of consecutive blocks, as even as the count allows (`stage_sizes`)."""
+    bounds = list(itertools.accumulate(stage_sizes(n_layers, n_stages), initial=0))
+    return [[str(i) for i in range(bounds[s], bounds[s + 1])] for s in range(n_stages)]
 
 
 def build_stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:

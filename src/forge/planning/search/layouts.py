@@ -35,7 +35,7 @@ def layouts(
         if tp > gpus_per_node or args.n_heads % tp or kv_heads % tp or (moe is not None and expert_width % tp):
             continue
         for pp in divisors(world_size // tp) if "pp" in supported else [1]:
-            if args.n_layers % pp:
+            if args.n_layers < pp:
                 continue
             cps = context_degrees(args, world_size // tp // pp, pp, gpus_per_node // tp, seq_len)
             for cp in cps if "cp" in supported else [1]:
@@ -67,7 +67,7 @@ def _with_schedules(args, dp_replicate, dp_shard, tp, pp, ep, micro, cp=1) -> It
             yield Layout(dp_replicate, dp_shard, tp, pp, ep, mode, micro, cp=cp)
             continue
         for schedule in (s.value for s in PPSchedule):
-            if args.n_layers % (pp * stages_per_rank(schedule)):
+            if args.n_layers < pp * stages_per_rank(schedule):
                 continue
             if schedule in ZERO_BUBBLE and dp_replicate * dp_shard * cp > 1:
                 continue  # forge.config.validate refuses them with data or context parallelism
