@@ -45,16 +45,45 @@ def test_a_killed_rank_is_restarted_in_place_and_the_curve_is_bitwise(tmp_path, 
     assert losses(tmp_path) == reference
 
 
-def start_node(run_dir: Path, port: int, log: Path) -> subprocess.Popen:
-    """One "node" of an elastic job of 1 to 2 nodes, one rank each, meeting at a c10d rendezvous on `port`. A node
-    that stops heartbeating is dropped from the next round within ~2 s (the defaults take ~45 s); a round waits 5 s
-    for more nodes once it has one, so both nodes join the first (a node joining a running job restarts it)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
+def start_node(run_dir: Path, port: int, log: Path, nnodes: str = "1:2") -> subprocess.Popen:
+    """One "node" of an elastic job of 1 to 2 nodes (`nnodes`), one rank each, meeting at a c10d rendezvous on
+    `port`. A node that stops heartbeating is dropped from the next round within ~2 s (the defaults take ~45 s); a
+    round waits 5 s for more nodes once it has one, so both nodes join the first (a node joining a running job
+    restarts it)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1",
+           "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
            "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=5",
            "-m", "forge.train", *RUN, "parallel=fsdp", f"train.steps={STEPS}", f"hydra.run.dir={run_dir}"]  # fmt: skip
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+
+
+def test_a_two_node_job_restarts_in_place_and_the_curve_is_bitwise(tmp_path, reference):
+    """Each node's agent restarts its rank (the survivor ends its attempt with exit 77, so both agents count the
+    restart): the new group meets under the attempt's own store prefix on both nodes."""
+    run_dir, port = tmp_path / "run", free_port()
+    nodes = [start_node(run_dir, port, tmp_path / "node0.log", "2")]
+    time.sleep(0.5)  # the first node hosts the rendezvous store
+    nodes.append(start_node(run_dir, port, tmp_path / "node1.log", "2"))
+    try:
+        wait_for_step(nodes[0], run_dir, KILL_AFTER)
+        victim = next(pid for node in nodes for pid in [rank_pid(node, 1)] if pid is not None)
+        os.kill(victim, signal.SIGKILL)
+        for k, node in enumerate(nodes):
+            assert node.wait(timeout=180) == 0, (tmp_path / f"node{k}.log").read_text()[-3000:]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert "resumed from" in (run_dir / "forge.log").read_text()
+    assert losses(run_dir) == reference
+
+
+def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    try:
+        return worker_pid(launcher, rank)
+    except AssertionError:  # not this node's rank
+        return None
 
 
 def test_a_node_gone_leaves_one_rank_that_goes_on_with_the_same_global_batch(tmp_path, reference):

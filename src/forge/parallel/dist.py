@@ -54,17 +54,18 @@ def init_distributed(device: torch.device, env: DistEnv | None = None, timeout_s
 
 
 def attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under a one-node torchrun, the agent's store with a prefix of its own per restart; elsewhere None (env://
+    """Under torchrun's agent, the agent's store with a prefix of its own per restart; elsewhere None (env://
     makes the store).
 
     torchrun's agent keeps one store server for every restart of its workers (its TCPStore sharing), and the store
     env:// connects to it adds no per-restart prefix. A restarted group then read the previous group's gloo
     addresses, which the new ranks had not yet replaced, and failed to connect ("Gloo connectFullMesh failed ...
     Connection refused") or hung, so torchrun's --max-restarts spent its restarts. The restart count names the
-    attempt only where one agent counts it: with several nodes, an agent restarts its healthy workers without
-    counting, so its ranks would wait under another prefix than the failed node's.
+    attempt alike on every node when every agent counts the restart, as here: the ranks left when one is lost end
+    their attempt (exit 77), so each node's agent sees its workers fail. (An agent that restarts healthy workers
+    because another node joins does not count that restart: the nodes would then wait under different prefixes.)
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"forge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
