@@ -46,10 +46,11 @@ def resumed_from(out: str) -> int:
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
-    """The uninterrupted two-rank run (its folder and output). Rank 1 works 0.1 s longer each step (a spin, no
-    change to any number): the straggler report must name it."""
+    """The uninterrupted two-rank run (its folder and output). Rank 1 works 0.4 s longer each step (a spin, no
+    change to any number): the straggler report must name it, also on a loaded machine, where both ranks' time
+    waiting for a CPU counts as busy too."""
     run_dir = tmp_path_factory.mktemp("reference2")
-    code, out = run_torchrun(run_dir, "resilience.inject_slow_rank=1", "resilience.inject_slow_s=0.1")
+    code, out = run_torchrun(run_dir, "resilience.inject_slow_rank=1", "resilience.inject_slow_s=0.4")
     assert code == 0, out[-3000:]
     return run_dir, out
 
@@ -66,9 +67,9 @@ def test_a_slow_rank_is_named_on_every_log_step(reference_run):
     run_dir, out = reference_run
     records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(records) == STEPS
-    for record in records:  # its busy time is ~0.1 s, rank 0's some 20 ms
+    for record in records:  # its busy time is ~0.4 s, rank 0's some 20 ms (idle machine) to 100 ms (loaded)
         assert record["straggler_ranks"] == [1], record
-        assert record["busy_time_max_over_median"] > 2, record
+        assert record["busy_time_max_over_median"] > 1.5, record  # the default straggler_factor
     lines = [line for line in out.splitlines() if "| loss " in line]
     assert len(lines) == STEPS and all("| slow ranks 1 (busy " in line for line in lines), lines
 

@@ -24,8 +24,8 @@ def free_port() -> int:
 
 
 def lighthouse_command(port: int, min_replicas: int, heartbeat_timeout_ms: int) -> list[str]:
-    """torchft's lighthouse: a quorum every 100 ms, joiners awaited 1 s, a group silent for heartbeat_timeout_ms
-    is left out (the others' wait after a loss)."""
+    """torchft's lighthouse: a quorum each tick (quorum_tick_ms=100), joiners awaited a second (join_timeout_ms), a
+    group silent for heartbeat_timeout_ms left out (the others' wait after a loss)."""
     binary = Path(sys.executable).with_name("torchft_lighthouse")
     binary = str(binary) if binary.exists() else shutil.which("torchft_lighthouse")
     if binary is None:
