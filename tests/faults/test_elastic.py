@@ -45,7 +45,7 @@ def test_a_killed_rank_is_restarted_in_place_and_the_curve_is_bitwise(tmp_path, 
     assert losses(tmp_path) == reference
 
 
-def start_node(run_dir: Path, port: int, log: Path, nnodes: str = "1:2") -> subprocess.Popen:
+def start_node(run_dir: Path, port: int, log: Path, nnodes: str = "1:2", env: dict | None = None) -> subprocess.Popen:
     """One "node" of an elastic job of 1 to 2 nodes (`nnodes`), one rank each, meeting at a c10d rendezvous on
     `port`. A node that stops heartbeating is dropped from the next round within ~2 s (the defaults take ~45 s); a
     round waits 5 s for more nodes once it has one, so both nodes join the first (a node joining a running job
@@ -55,16 +55,17 @@ def start_node(run_dir: Path, port: int, log: Path, nnodes: str = "1:2") -> subp
            "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=5",
            "-m", "forge.train", *RUN, "parallel=fsdp", f"train.steps={STEPS}", f"hydra.run.dir={run_dir}"]  # fmt: skip
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})  # fmt: skip
 
 
 def test_a_two_node_job_restarts_in_place_and_the_curve_is_bitwise(tmp_path, reference):
-    """Each node's agent restarts its rank (the survivor ends its attempt with exit 77, so both agents count the
-    restart): the new group meets under the attempt's own store prefix on both nodes."""
+    """Each node's agent restarts its rank; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each rendezvous round gets a
+    fresh store, so the new group reads none of the last one's addresses (with the agents' shared store it hung)."""
     run_dir, port = tmp_path / "run", free_port()
-    nodes = [start_node(run_dir, port, tmp_path / "node0.log", "2")]
+    fresh = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    nodes = [start_node(run_dir, port, tmp_path / "node0.log", "2", fresh)]
     time.sleep(0.5)  # the first node hosts the rendezvous store
-    nodes.append(start_node(run_dir, port, tmp_path / "node1.log", "2"))
+    nodes.append(start_node(run_dir, port, tmp_path / "node1.log", "2", fresh))
     try:
         wait_for_step(nodes[0], run_dir, KILL_AFTER)
         victim = next(pid for node in nodes for pid in [rank_pid(node, 1)] if pid is not None)

@@ -61,11 +61,12 @@ def attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store | Non
     env:// connects to it adds no per-restart prefix. A restarted group then read the previous group's gloo
     addresses, which the new ranks had not yet replaced, and failed to connect ("Gloo connectFullMesh failed ...
     Connection refused") or hung, so torchrun's --max-restarts spent its restarts. The restart count names the
-    attempt alike on every node when every agent counts the restart, as here: the ranks left when one is lost end
-    their attempt (exit 77), so each node's agent sees its workers fail. (An agent that restarts healthy workers
-    because another node joins does not count that restart: the nodes would then wait under different prefixes.)
+    attempt only where one agent counts it: with several nodes, an agent restarts its healthy workers without
+    counting when another node waits, so nodes could wait under different prefixes. Several nodes therefore run
+    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the README's elastic commands): torch then starts a fresh store for
+    each rendezvous round, and there is no agent store to prefix.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
         return None
     client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"forge/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)

@@ -23,9 +23,9 @@ def powers_of_two(limit: int) -> list[int]:
 def layouts(
     args, world_size: int, global_batch: int, gpus_per_node: int, max_micro: int, seq_len: int | None = None
 ) -> Iterator[Layout]:
-    """Candidates for a model of `args`: tp within a node and dividing the (key/value) heads, pp dividing the
-    blocks, cp a power of two with tp x cp within a node, dividing seq_len into 2 x cp chunks
-    (none when seq_len is not given), ep dividing the experts and dp_shard (MoE only;
+    """Candidates for a model of `args`: tp within a node and dividing the (key/value) heads, pp up to the
+    blocks (stages may differ by a block), cp a power of two with tp x cp within a node, dividing seq_len into
+    2 x cp chunks (none when seq_len is not given), ep dividing the experts and dp_shard (MoE only;
     under tp an MoE's expert width must split over it), every split of the data-parallel ranks into
     dp_replicate x dp_shard, micro-batches dividing each rank's share of the batch."""
     moe, supported = getattr(args, "moe", None), spec_of(args).parallel
