@@ -1,5 +1,5 @@
-"""`forge-train --help` prints each field's value for this command beside a short description; docs/config.md, the
-whole reference, is generated from the same docstrings and is current."""
+"""`forge-train --help` prints each field's value for this command beside a short description;
+docs/reference/config.md, the whole reference, is generated from the same docstrings and is current."""
 
 import subprocess
 import sys
@@ -35,5 +35,5 @@ def test_the_help_command_prints_the_fields_not_the_composed_config():
     done = subprocess.run([sys.executable, "-m", "forge.train", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "train.steps = 250 " in done.stdout
-    assert "== Composed config" not in done.stdout and "docs/config.md" in done.stdout
+    assert "== Composed config" not in done.stdout and "docs/reference/config.md" in done.stdout
     assert len(done.stdout.splitlines()) < 200

@@ -5,6 +5,7 @@ code under test finds its rank the same way it does under torchrun. Children lea
 also avoids gloo's exit-time abort.
 """
 
+import faulthandler
 import os
 import socket
 import traceback
@@ -22,6 +23,7 @@ def free_port() -> int:
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, queue, args: tuple) -> None:
     code = 0
+    faulthandler.enable(all_threads=True)
     try:
         if world_size > 1:
             os.environ |= {
@@ -54,10 +56,12 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = 300) -> list:
     errors = []
     for proc in procs:
         proc.join(timeout)
-    for proc in procs:
+    for rank, proc in enumerate(procs):
         if proc.is_alive():
             proc.kill()
-            errors.append(f"rank {procs.index(proc)} timed out after {timeout} s")
+            errors.append(f"rank {rank} timed out after {timeout} s")
+        elif proc.exitcode not in (0, 1):
+            errors.append(f"rank {rank} ended with exit code {proc.exitcode} (a negative code is the signal)")
     while not queue.empty():
         rank, result, error = queue.get()
         if error:

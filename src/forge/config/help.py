@@ -1,8 +1,8 @@
 """Field documentation from the schemas' attribute docstrings: one line per field for `forge-train --help` (the value
-this command would run, the field's domain, the first sentence), the whole text for docs/config.md.
+this command would run, the field's domain, the first sentence), the whole text for docs/reference/config.md.
 
-    python -m forge.config.help            # rewrite docs/config.md
-    python -m forge.config.help --check    # exit 1 when docs/config.md is stale (tests/config/test_help.py)
+    python -m forge.config.help            # rewrite docs/reference/config.md
+    python -m forge.config.help --check    # exit 1 when docs/reference/config.md is stale (tests/config/test_help.py)
 """
 
 import ast
@@ -146,8 +146,8 @@ def _declared_default(field: dataclasses.Field | None):
 
 
 def reference_page() -> str:
-    """docs/config.md: every schema (each group's options and nested nodes), each field with its default, domain
-    and whole docstring."""
+    """docs/reference/config.md: every schema (each group's options and nested nodes), each field with its
+    default, domain and whole docstring."""
     lines = [
         "# Config reference",
         "",
@@ -202,7 +202,7 @@ def documented_classes() -> dict[str, type]:
 
 
 def page_path() -> Path:
-    return Path(__file__).resolve().parents[3] / "docs" / "config.md"
+    return Path(__file__).resolve().parents[3] / "docs" / "reference" / "config.md"
 
 
 def main() -> None:

@@ -3,8 +3,8 @@
 A cell is the config a user would write for the feature on the smallest world that holds it, on a small model of
 the kind; its state is what `forge.config.validate` says of that config: supported, or refused with its one line.
 The matrix is therefore read from the rules themselves and cannot drift from them; `python -m forge.config.support`
-writes docs/support.md from it (tests/config/test_support.py fails when that page is stale, and checks that every
-refused cell is one line and every supported one composes a runnable plan).
+writes docs/reference/support.md from it (tests/config/test_support.py fails when that page is stale, and checks
+that every refused cell is one line and every supported one composes a runnable plan).
 """
 
 import sys
@@ -122,7 +122,7 @@ def render(matrix: dict[tuple[str, str], str | None]) -> str:
 
 
 def page_path() -> Path:
-    return Path(__file__).resolve().parents[3] / "docs" / "support.md"
+    return Path(__file__).resolve().parents[3] / "docs" / "reference" / "support.md"
 
 
 def main() -> None:
