@@ -1,6 +1,6 @@
 """The support matrix (forge.config.support): docs/reference/support.md is current, every refused cell is one line,
-and every supported cell of 1 or 2 ranks
-builds and trains a step (real gloo ranks; the larger worlds' cells: ELSEWHERE).
+and every supported cell of 1 or 2 ranks builds and trains a step (real gloo ranks; the larger worlds' cells:
+ELSEWHERE).
 
 Which supported layouts also match one process, and how closely, is tested per layout in tests/parallel/.
 """
