@@ -1,7 +1,6 @@
 """The docs site's pages, read the way the site reads them: the nav of mkdocs.yml, and the links between pages."""
 
 import re
-from pathlib import Path
 
 import yaml
 
