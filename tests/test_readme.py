@@ -2,8 +2,9 @@
 
 The README's commands (its indented code blocks) run first, then each docs page's (its ```bash blocks) in the order
 of the site's nav; a command that appears twice runs once. They run in order, in one scratch directory (relative
-paths such as outputs/ and shards/ land there), through bash with this venv first on PATH. Training commands get a short run appended (`SHORT`, one validation batch for
-the runs that set their own short length, and `SMALLER` batches for the 125M preset); nothing else is changed.
+paths such as outputs/ and shards/ land there), through bash with this venv first on PATH. Training commands get a
+short run appended (`SHORT`, one validation batch for the runs that set their own short length, and `SMALLER`
+batches for the 125M preset); nothing else is changed.
 The inputs a user brings (their jsonl corpus, captions with images, a local vision tower, an image to ask about) are
 written into the scratch directory first. A command that cannot run here is listed in NOT_RUN with the reason and
 the test that covers it instead; any other command that is not run fails the listing test.
