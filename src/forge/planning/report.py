@@ -16,6 +16,7 @@ a 70B model on 512 ranks fits in a few GiB of host memory.
 """
 
 import contextlib
+import logging
 import math
 import re
 import sys
@@ -31,6 +32,7 @@ from forge.models.spec import spec_of
 from forge.parallel.applied import Applied
 from forge.planning.flags import PLAN_OPTIONS
 from forge.planning.memory import (
+    MemoryEstimate,
     estimate_memory,
     fsdp_gathers,
     grads_at_peak,
@@ -93,8 +95,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
             parts = [build_stage_module(model, s, n_stages) for s in held]
             lines.append(f"pipeline split into {n_stages} stages; rank 0 holds stages {held}")
         for part in parts:
-            compute = "bf16" if train.dtype in ("auto", "bf16") else "fp32"  # auto is bf16 on GPUs
-            applied += parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute)
+            applied += parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute_dtype(cfg))
         if degrees.pp > 1 and args.tie_embeddings:
             first_and_last_group(mesh, mesh["pp"])  # the groups a real run creates, on every rank
             shard = count_local_parameters(parts[0].tok_embeddings)
@@ -105,13 +106,8 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
             )
         local = sum(count_local_parameters(p) for p in parts)
         local_experts = sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p))
-        rank_blocks = sum(len(p.layers) for p in parts)
-        has_head = any(p.output is not None for p in parts)
-        # global sizes of the parameters outside the blocks (embedding, final norm, head), per tp rank
-        outside = sum(
-            sum(t.numel() for t in p.parameters()) - sum(t.numel() for t in p.layers.parameters()) for p in parts
-        )
-        root_params = outside / degrees.tp
+        mem = rank_memory(cfg, degrees, parts, 0)
+        busiest = busiest_pipeline_rank(cfg, degrees, mesh, mem) if degrees.pp > 1 else None
         if materialize:
             materialized = materialize_rank0(cfg, parts, degrees)
     lines.append("transforms, in order:")
@@ -133,34 +129,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         f"{flops.training * train.global_batch_size * train.seq_len / world_size / 1e12:.2f} TFLOP"
     )
 
-    dtype = "bf16" if train.dtype in ("auto", "bf16") else "fp32"
-    chunks = (parallel.microbatches or degrees.pp) if degrees.pp > 1 else 1
-    in_flight = pipeline_in_flight(degrees.pp, parallel.pp_schedule, chunks, 0, stages_per_rank(parallel.pp_schedule))
-    mem = estimate_memory(
-        args,
-        degrees,
-        local,
-        rank_blocks,
-        has_head,
-        train.micro_batch_size,
-        train.seq_len,
-        in_flight,
-        2 if dtype == "bf16" else 4,
-        deferred_sync=parallel.get("defer_grad_sync") is True,
-        dense_masks=uses_dense_masks(cfg),
-        local_experts=local_experts,
-        grads_at_peak=grads_at_peak(
-            train.global_batch_size // (degrees.dp * train.micro_batch_size),
-            degrees.pp,
-            parallel.pp_schedule,
-            chunks,
-            0,
-            stages_per_rank(parallel.pp_schedule),
-        ),
-        chunks=chunks,
-        root_params=root_params,
-        head_share=head_in_flight(degrees.pp, parallel.pp_schedule, chunks),
-    )
+    dtype = compute_dtype(cfg)
     checkpointed = parallel.activation_checkpoint == "full"
     weights = "FSDP gather" if fsdp_gathers(degrees) else "bf16 weights" if dtype == "bf16" else "gather"
     lines.append(
@@ -171,8 +140,90 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         f"peak {mem.peak(False) / GIB:.2f} GiB without checkpointing, {mem.peak(True) / GIB:.2f} GiB with"
         + (" (this config checkpoints)" if checkpointed else "")
     )
+    if busiest is not None:
+        lines.append(busiest)
     lines.append("formula: see forge.planning.memory (params 4P + grads 4P + AdamW 8P + gather + activations)")
     return "\n".join(lines)
+
+
+def compute_dtype(cfg: DictConfig) -> str:
+    return "bf16" if cfg.train.dtype in ("auto", "bf16") else "fp32"  # auto is bf16 on GPUs
+
+
+def rank_memory(cfg: DictConfig, degrees: Degrees, parts: list, pp_rank: int) -> MemoryEstimate:
+    """The memory estimate of the pipeline rank `pp_rank` holding the (parallelized) stage modules `parts`."""
+    from forge.models.common.moe import moe_layers
+    from forge.parallel.pipeline import stages_per_rank
+    from forge.parallel.plan import count_local_parameters
+
+    train, parallel = cfg.train, cfg.parallel
+    args = parts[0].args
+    local = sum(count_local_parameters(p) for p in parts)
+    local_experts = sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p))
+    # global sizes of the parameters outside the blocks (embedding, final norm, head), per tp rank
+    outside = sum(sum(t.numel() for t in p.parameters()) - sum(t.numel() for t in p.layers.parameters()) for p in parts)
+    chunks = (parallel.microbatches or degrees.pp) if degrees.pp > 1 else 1
+    stages = stages_per_rank(parallel.pp_schedule)
+    return estimate_memory(
+        args,
+        degrees,
+        local,
+        sum(len(p.layers) for p in parts),
+        any(p.output is not None for p in parts),
+        train.micro_batch_size,
+        train.seq_len,
+        pipeline_in_flight(degrees.pp, parallel.pp_schedule, chunks, pp_rank, stages),
+        2 if compute_dtype(cfg) == "bf16" else 4,
+        deferred_sync=parallel.get("defer_grad_sync") is True,
+        dense_masks=uses_dense_masks(cfg),
+        local_experts=local_experts,
+        grads_at_peak=grads_at_peak(
+            train.global_batch_size // (degrees.dp * train.micro_batch_size),
+            degrees.pp,
+            parallel.pp_schedule,
+            chunks,
+            pp_rank,
+            stages,
+        ),
+        chunks=chunks,
+        root_params=outside / degrees.tp,
+        head_share=head_in_flight(degrees.pp, parallel.pp_schedule, chunks),
+    )
+
+
+def busiest_pipeline_rank(cfg: DictConfig, degrees: Degrees, mesh, rank0: MemoryEstimate) -> str:
+    """The pipeline rank with the highest estimated peak: stages differ in blocks (uneven splits put the extra ones
+    in the middle), in the embedding and head they hold, and in the activations their schedule keeps in flight."""
+    from forge.parallel.pipeline import build_stage_module, rank_stages, stages_per_rank
+    from forge.parallel.plan import parallelize
+    from forge.train import build
+
+    parallel = cfg.parallel
+    n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
+    worst, worst_rank, worst_parts = rank0, 0, []
+    quiet = logging.getLogger("forge")
+    level, quiet.level = quiet.level, logging.WARNING  # the transforms were logged once, for rank 0
+    try:
+        for pp_rank in range(1, degrees.pp):
+            model = build.build_meta_model(cfg)
+            parts = [
+                build_stage_module(model, s, n_stages) for s in rank_stages(parallel.pp_schedule, degrees.pp, pp_rank)
+            ]
+            for part in parts:
+                parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute_dtype(cfg))
+            mem = rank_memory(cfg, degrees, parts, pp_rank)
+            if mem.peak(False) > worst.peak(False):
+                worst, worst_rank, worst_parts = mem, pp_rank, parts
+    finally:
+        quiet.level = level
+    if worst_rank == 0:
+        return "busiest pipeline rank: rank 0 (the estimate above is the highest of the pipeline ranks)"
+    blocks = sum(len(p.layers) for p in worst_parts)
+    return (
+        f"busiest pipeline rank: pipeline rank {worst_rank} (stages "
+        f"{rank_stages(parallel.pp_schedule, degrees.pp, worst_rank)}, {blocks} blocks): "
+        f"peak {worst.peak(False) / GIB:.2f} GiB without checkpointing, {worst.peak(True) / GIB:.2f} GiB with"
+    )
 
 
 def _host_kib(field: str) -> int | None:
