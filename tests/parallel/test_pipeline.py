@@ -4,6 +4,7 @@ Each launch forks real gloo ranks running the real Trainer on several pipeline l
 the same Trainer in one process with parallel=single (fp32).
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ REFERENCE = {
     "single_4l": ["parallel=single", "train.micro_batch_size=8", *FOUR_LAYERS],
     "single_tied": ["parallel=single", "train.micro_batch_size=8", "model.tie_embeddings=true"],
     "single_3l": ["parallel=single", "train.micro_batch_size=8", "model.n_layers=3"],
+    "single_5l": ["parallel=single", "train.micro_batch_size=8", "model.n_layers=5"],
 }
 TWO_RANKS = {
     "pp2_gpipe": ["parallel=pp2", "parallel.pp_schedule=gpipe", "train.micro_batch_size=8"],
@@ -49,6 +51,14 @@ TWO_RANKS = {
         ]
         for schedule in ("interleaved_zb", "zbv", "dualpipev")
     },
+    # a V over 5 blocks: 2 and 3 per rank (stages 0 and 3 on rank 0, 1 and 2 on rank 1), not 2 and 4 stage-even
+    "pp2_zbv_uneven": [
+        "parallel=pp2",
+        "parallel.pp_schedule=zbv",
+        "train.micro_batch_size=8",
+        "parallel.microbatches=4",
+        "model.n_layers=5",
+    ],  # fmt: skip
 }
 FOUR_RANKS = {
     "pp2_fsdp": ["parallel=pp2_fsdp", "train.micro_batch_size=4", "parallel.microbatches=2"],
@@ -68,6 +78,7 @@ REFERENCE_OF = {
     "pp2_interleaved": "single_4l",
     "pp2_interleaved_zb": "single_4l",
     "pp2_zbv": "single_4l",
+    "pp2_zbv_uneven": "single_5l",
     "pp2_dualpipev": "single_4l",
     "tp2_pp2_interleaved": "single_4l",
     "tp2_pp2_zbv": "single_4l",
@@ -82,6 +93,9 @@ def run_pipeline_scenarios(scenarios: dict[str, list[str]], root: str) -> dict[s
         trainer = Trainer(compose([*TINY, *overrides]), Path(root) / name)
         layout = {
             "blocks": sorted(k for k, _ in trainer.model.named_modules() if k.count(".") == 1 and "layers." in k),
+            "block_ids": sorted(  # over all of this rank's stages
+                int(m.group(1)) for k, _ in trainer.model.named_modules() if (m := re.search(r"layers\.(\d+)$", k))
+            ),
             "local_params": count_local_parameters(trainer.model),
             "params": trainer.n_params,
         }
@@ -120,6 +134,7 @@ def test_stages_hold_disjoint_blocks(two_ranks):
     assert two_ranks[0]["pp2_1f1b"]["blocks"] == ["layers.0"]
     assert two_ranks[1]["pp2_1f1b"]["blocks"] == ["layers.1"]
     assert [rank["pp2_uneven"]["blocks"] for rank in two_ranks] == [["layers.0", "layers.1"], ["layers.2"]]
+    assert [rank["pp2_zbv_uneven"]["block_ids"] for rank in two_ranks] == [[0, 4], [1, 2, 3]]
     # interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 (ModuleList of two stage modules)
     assert (
         two_ranks[0]["pp2_interleaved"]["local_params"] + two_ranks[1]["pp2_interleaved"]["local_params"]
@@ -243,3 +258,11 @@ def test_stage_sizes_are_as_even_as_the_count_allows():
         for stages in range(1, 5):
             sizes = stage_sizes(layers, stages)
             assert sum(sizes) == layers and max(sizes) - min(sizes) <= 1, (layers, stages, sizes)
+    # V schedules: rank r holds stages r and 2 pp - 1 - r; even per rank, and every stage holds a block
+    assert stage_sizes(24, 16, v_shaped=True) == [2] * 8 + [1] * 8  # 3 per rank (stage-even: rank 7 held 4)
+    for layers in range(4, 60):
+        for pp in range(1, min(layers // 2, 8) + 1):
+            sizes = stage_sizes(layers, 2 * pp, v_shaped=True)
+            per_rank = [sizes[r] + sizes[2 * pp - 1 - r] for r in range(pp)]
+            assert sum(sizes) == layers and min(sizes) >= 1, (layers, pp, sizes)
+            assert max(per_rank) - min(per_rank) <= 1 and per_rank[0] == min(per_rank), (layers, pp, per_rank)

@@ -202,28 +202,41 @@ def rank_stages(schedule: str, pp: int, pp_rank: int) -> list[int]:
     return [pp_rank, 2 * pp - 1 - pp_rank] if schedule in V_SHAPED else [pp_rank, pp_rank + pp]
 
 
-def stage_sizes(n_layers: int, n_stages: int) -> list[int]:
+def stage_sizes(n_layers: int, n_stages: int, v_shaped: bool = False) -> list[int]:
     """Blocks per stage: n_layers // n_stages each, and the rest one more each on the middle stages first (the first
     stage also embeds, the last one runs the head and the loss), then on the first and the last: 126 blocks on 8
-    stages are 15, 16 x 6, 15."""
-    sizes = [n_layers // n_stages] * n_stages
-    middle = list(range(1, n_stages - 1))
-    for stage in (middle + [0, n_stages - 1])[: n_layers % n_stages]:
-        sizes[stage] += 1
+    stages are 15, 16 x 6, 15. `v_shaped` (rank r holds stages r and n_stages - 1 - r): the split is even per
+    rank first (rank 0, which embeds and runs the head, takes an extra block last), then each rank's blocks go
+    to its two stages, the returning one (nearer the head) taking the smaller half: 24 blocks on V pp 8 are 3 per
+    rank, where an even split of the 16 stages would leave rank 7 four."""
+    if not v_shaped:
+        sizes = [n_layers // n_stages] * n_stages
+        middle = list(range(1, n_stages - 1))
+        for stage in (middle + [0, n_stages - 1])[: n_layers % n_stages]:
+            sizes[stage] += 1
+        return sizes
+    pp = n_stages // 2
+    per_rank = [n_layers // pp] * pp
+    for rank in [*range(1, pp), 0][: n_layers % pp]:
+        per_rank[rank] += 1
+    sizes = [0] * n_stages
+    for rank, count in enumerate(per_rank):
+        sizes[rank], sizes[n_stages - 1 - rank] = count - count // 2, count // 2
     return sizes
 
 
-def stage_layers(n_layers: int, n_stages: int) -> list[list[str]]:
+def stage_layers(n_layers: int, n_stages: int, v_shaped: bool = False) -> list[list[str]]:
     """Block keys of each stage: runs of consecutive blocks, as even as the count allows (`stage_sizes`)."""
-    bounds = list(itertools.accumulate(stage_sizes(n_layers, n_stages), initial=0))
+    bounds = list(itertools.accumulate(stage_sizes(n_layers, n_stages, v_shaped), initial=0))
     return [[str(i) for i in range(bounds[s], bounds[s + 1])] for s in range(n_stages)]
 
 
-def build_stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
-    """A copy of `model` (meta device) that keeps only stage `stage` of `n_stages`. With tied embeddings the last
-    stage keeps the embedding module as its head's matrix (not to embed: its input is the previous stage's)."""
+def build_stage_module(model: nn.Module, stage: int, n_stages: int, v_shaped: bool = False) -> nn.Module:
+    """A copy of `model` (meta device) that keeps only stage `stage` of `n_stages` (`v_shaped`: as a V schedule
+    splits the blocks, `stage_sizes`). With tied embeddings the last stage keeps the embedding module as its head's
+    matrix (not to embed: its input is the previous stage's)."""
     part = copy.deepcopy(model)
-    keep = set(stage_layers(len(model.layers), n_stages)[stage])
+    keep = set(stage_layers(len(model.layers), n_stages, v_shaped)[stage])
     for key in list(part.layers.keys()):
         if key not in keep:
             del part.layers[key]
@@ -367,7 +380,8 @@ def build_pipeline(
     per_rank = stages_per_rank(parallel_cfg.pp_schedule)
     n_stages = pp * per_rank
     stage_ids = rank_stages(parallel_cfg.pp_schedule, pp, pp_rank)
-    parts = [build_stage_module(model, s, n_stages) for s in stage_ids]
+    v_shaped = parallel_cfg.pp_schedule in V_SHAPED
+    parts = [build_stage_module(model, s, n_stages, v_shaped) for s in stage_ids]
     applied = []
     for s, part in zip(stage_ids, parts):
         detail = f"pipeline stage {s}/{n_stages} on pp rank {pp_rank}: blocks {','.join(part.layers.keys())}"

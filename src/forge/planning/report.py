@@ -65,7 +65,13 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
     and initialised as a real run would, and a line says their bytes, the seconds and the host memory it took."""
     from forge.models.common.moe import moe_layers
     from forge.parallel.mesh import build_mesh, mesh_shape
-    from forge.parallel.pipeline import build_stage_module, first_and_last_group, rank_stages, stages_per_rank
+    from forge.parallel.pipeline import (
+        V_SHAPED,
+        build_stage_module,
+        first_and_last_group,
+        rank_stages,
+        stages_per_rank,
+    )
     from forge.parallel.plan import count_local_parameters, parallelize
     from forge.planning.flops import count_flops_per_token
     from forge.train import build
@@ -92,7 +98,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         if degrees.pp > 1:
             n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
             held = rank_stages(parallel.pp_schedule, degrees.pp, 0)
-            parts = [build_stage_module(model, s, n_stages) for s in held]
+            parts = [build_stage_module(model, s, n_stages, parallel.pp_schedule in V_SHAPED) for s in held]
             lines.append(f"pipeline split into {n_stages} stages; rank 0 holds stages {held}")
         for part in parts:
             applied += parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute_dtype(cfg))
@@ -107,7 +113,7 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
         local = sum(count_local_parameters(p) for p in parts)
         local_experts = sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p))
         mem = rank_memory(cfg, degrees, parts, 0)
-        busiest = busiest_pipeline_rank(cfg, degrees, mesh, mem) if degrees.pp > 1 else None
+        busiest = busiest_pipeline_rank(cfg, degrees, mesh, model, mem) if degrees.pp > 1 else None
         if materialize:
             materialized = materialize_rank0(cfg, parts, degrees)
     lines.append("transforms, in order:")
@@ -191,31 +197,29 @@ def rank_memory(cfg: DictConfig, degrees: Degrees, parts: list, pp_rank: int) ->
     )
 
 
-def busiest_pipeline_rank(cfg: DictConfig, degrees: Degrees, mesh, rank0: MemoryEstimate) -> str:
+def busiest_pipeline_rank(cfg: DictConfig, degrees: Degrees, mesh, model, rank0: MemoryEstimate) -> str:
     """The pipeline rank with the highest estimated peak: stages differ in blocks (uneven splits put the extra ones
     in the middle), in the embedding and head they hold, and in the activations their schedule keeps in flight."""
-    from forge.parallel.pipeline import build_stage_module, rank_stages, stages_per_rank
+    from forge.parallel.pipeline import V_SHAPED, build_stage_module, rank_stages, stages_per_rank
     from forge.parallel.plan import parallelize
-    from forge.train import build
 
     parallel = cfg.parallel
     n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
     worst, worst_rank, worst_parts = rank0, 0, []
     quiet = logging.getLogger("forge")
-    level, quiet.level = quiet.level, logging.WARNING  # the transforms were logged once, for rank 0
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # the transforms were logged once, for rank 0
     try:
         for pp_rank in range(1, degrees.pp):
-            model = build.build_meta_model(cfg)
-            parts = [
-                build_stage_module(model, s, n_stages) for s in rank_stages(parallel.pp_schedule, degrees.pp, pp_rank)
-            ]
+            held = rank_stages(parallel.pp_schedule, degrees.pp, pp_rank)
+            parts = [build_stage_module(model, s, n_stages, parallel.pp_schedule in V_SHAPED) for s in held]
             for part in parts:
                 parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute_dtype(cfg))
             mem = rank_memory(cfg, degrees, parts, pp_rank)
             if mem.peak(False) > worst.peak(False):
                 worst, worst_rank, worst_parts = mem, pp_rank, parts
     finally:
-        quiet.level = level
+        quiet.setLevel(level)
     if worst_rank == 0:
         return "busiest pipeline rank: rank 0 (the estimate above is the highest of the pipeline ranks)"
     blocks = sum(len(p.layers) for p in worst_parts)

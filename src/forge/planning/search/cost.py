@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from forge.config.degrees import Degrees
 from forge.models.spec import spec_of
-from forge.parallel.pipeline import rank_stages, stage_layers, stages_per_rank
+from forge.parallel.pipeline import V_SHAPED, rank_stages, stage_layers, stages_per_rank
 from forge.planning.flops import count_flops_per_token
 from forge.planning.memory import bubble_fraction, estimate_memory, grads_at_peak, head_in_flight, pipeline_in_flight
 from forge.planning.search.devices import Device
@@ -200,7 +200,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
     flops = count_flops_per_token(args, seq)
     per_block = (flops.forward - flops.head) / args.n_layers  # MoE blocks counted at their mean
     n_stages = layout.pp * stages_per_rank(layout.pp_schedule) if layout.pp > 1 else 1
-    stages = stage_layers(args.n_layers, n_stages)
+    stages = stage_layers(args.n_layers, n_stages, layout.pp_schedule in V_SHAPED)
     tokens_rank = batch * seq / layout.dp / layout.cp
     n_micro = batch // layout.dp // layout.micro_batch_size
     chunks = layout.microbatches if layout.pp > 1 else 1  # FSDP reduces after each pipeline chunk's backward
