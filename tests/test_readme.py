@@ -1,6 +1,6 @@
 """Every command of the README and of the docs pages runs as written, so neither can drift from the code.
 
-The README's commands (its indented code blocks) run first, then each docs page's (its ```bash blocks) in the order
+The README's commands (its ```bash blocks) run first, then each docs page's in the order
 of the site's nav; a command that appears twice runs once. They run in order, in one scratch directory (relative
 paths such as outputs/ and shards/ land there), through bash with this venv first on PATH. Training commands get a
 short run appended (`SHORT`, one validation batch for the runs that set their own short length, and `SMALLER`
@@ -94,25 +94,6 @@ EXPECT_NOT = {"forge-train --help": "model_schema"}
 COMMENT = re.compile(r"\s{2,}#.*$")
 
 
-def readme_blocks() -> list[list[str]]:
-    """The README's indented (4-space) code blocks, each a list of lines without the indent."""
-    blocks, current = [], []
-    previous_blank = True
-    for line in (ROOT / "README.md").read_text().splitlines():
-        if line.startswith("    ") and (current or previous_blank):
-            current.append(line[4:])
-        elif current and not line.strip():
-            current.append("")
-        else:
-            if current:
-                blocks.append(current)
-            current = []
-        previous_blank = not line.strip()
-    if current:
-        blocks.append(current)
-    return [[line for line in block if line.strip()] for block in blocks]
-
-
 def program(command: str) -> str:
     words = [w for w in command.split() if not re.match(r"^[A-Z_]+=", w)]
     return words[0] if words else ""
@@ -147,7 +128,7 @@ def block_commands(blocks: list[list[str]]) -> list[str]:
 
 
 def readme_commands() -> list[str]:
-    return block_commands(readme_blocks())
+    return block_commands(fenced_bash_blocks((ROOT / "README.md").read_text()))
 
 
 def docs_commands() -> list[str]:

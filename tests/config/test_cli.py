@@ -115,6 +115,15 @@ def test_plan_refuses_a_world_size_of_zero(tmp_path):
     assert "Traceback" not in result.stderr and "plan for" not in result.stdout
 
 
+def test_a_world_size_other_than_the_launched_one_is_one_line(tmp_path):
+    """`forge-train parallel.world_size=2` on one process used to reach the mesh and end in a traceback."""
+    result = run_cli(tmp_path, "parallel.world_size=2", "train.steps=1")
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "parallel.world_size=2, but 1 process was launched" in lines[0], lines
+    assert "Traceback" not in result.stderr + result.stdout
+
+
 def test_a_choice_its_enum_does_not_have_is_one_line_and_exit_2(tmp_path):
     """Refused at composition (an Enum field), printed like the validation pass's refusals, not as Hydra's four
     lines and exit 1; a wrong type the same way."""

@@ -77,6 +77,19 @@ def fit_defaults_to_run(cfg: DictConfig) -> None:
         log.warning("%s", note)
 
 
+def check_launched_world(cfg: DictConfig) -> None:
+    """parallel.world_size, where set, must be the number of processes launched (it alone sizes `--plan`)."""
+    from forge.parallel.env import read_dist_env
+
+    expected, launched = cfg.parallel.world_size, read_dist_env().world_size
+    if expected is not None and expected != launched:
+        raise ConfigError(
+            f"parallel.world_size={expected}, but {launched} process{'es were' if launched > 1 else ' was'} launched: "
+            f"start {expected} (torchrun --nproc_per_node={expected}, or srun's tasks) or leave parallel.world_size "
+            "unset to follow the launch"
+        )
+
+
 def check_output_dir() -> None:
     """An empty hydra.run.dir (or hydra.sweep.dir) would make the current directory the run directory."""
     from hydra.types import RunMode
@@ -118,6 +131,7 @@ def _task(cfg: DictConfig) -> float | None:
                 log.info("sweep point kept: %s finished before (val loss %s); nothing to run", output_dir(), objective)
                 return objective
         degrees = validate(cfg)  # before the trainer's heavy imports: a config error costs none of them
+        check_launched_world(cfg)
         summary = build_trainer(cfg, degrees).fit()
     except SweepFolderTaken as err:
         stop(EXIT_CONFIG_ERROR, f"invalid sweep: {err}", "", record=False)
