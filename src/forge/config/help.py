@@ -71,6 +71,10 @@ SUMMARY_WIDTH = 160
 """A field's --help description: its first sentence, cut at a clause boundary past this many characters."""
 
 
+CELL_WIDTH = 240
+"""A docstring longer than this shows its summary in the reference page's table and its whole text below it."""
+
+
 def summary(doc: str) -> str:
     """The docstring's first sentence (a decimal point or `e.g.` ends none), cut at its last `;`, `:` or `,`
     within SUMMARY_WIDTH characters when longer, so that a field's line stays within about two terminal lines."""
@@ -165,13 +169,17 @@ def reference_page() -> str:
         declared = {f.name: f for f in dataclasses.fields(cls)}
         lines += [f"## {name}", "", " ".join((cls.__doc__ or "").split()), ""]
         lines += ["| field | default | domain | meaning |", "|---|---|---|---|"]
+        longer = []
         for field, doc in docs.items():
             default = _declared_default(declared.get(field))
             whole = shown(default, None).replace("|", "/")
             default_text = "required" if default is dataclasses.MISSING or default == "???" else f"`{whole}`"
             domain = domains.get(field, "")
-            lines.append(f"| `{field}` | {default_text} | {domain} | {doc.replace('|', '/')} |")
-        lines.append("")
+            meaning = doc if len(doc) <= CELL_WIDTH else summary(doc) + " (below)"
+            lines.append(f"| `{field}` | {default_text} | {domain} | {meaning.replace('|', '/')} |")
+            if len(doc) > CELL_WIDTH:
+                longer.append(f"- `{field}`: {doc}")
+        lines += ["", *longer, ""] if longer else [""]
     return "\n".join(lines)
 
 
