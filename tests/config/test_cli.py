@@ -124,6 +124,23 @@ def test_a_world_size_other_than_the_launched_one_is_one_line(tmp_path):
     assert "Traceback" not in result.stderr + result.stdout
 
 
+def test_values_for_a_section_the_preset_leaves_null_are_one_line(tmp_path):
+    """OmegaConf cannot merge into a typed section that is null (llama_tiny's rope_scaling); both forms of the
+    override ended in its traceback. An experiment's YAML sets the section."""
+    for override in ("model.rope_scaling={factor: 4.0}", "model.rope_scaling.factor=4.0"):
+        result = run_cli(tmp_path, "--cfg", "job", override)
+        assert result.returncode == 2, result.stdout + result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "model.rope_scaling" in lines[0] and "YAML file" in lines[0], lines
+        assert "Traceback" not in result.stderr + result.stdout
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "rope.yaml").write_text(
+        "# @package _global_\nmodel:\n  rope_scaling:\n    factor: 4.0\n"
+    )
+    result = run_cli(tmp_path, "--cfg", "job", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "experiment=rope")
+    assert result.returncode == 0 and "factor: 4.0" in result.stdout, result.stderr
+
+
 def test_a_choice_its_enum_does_not_have_is_one_line_and_exit_2(tmp_path):
     """Refused at composition (an Enum field), printed like the validation pass's refusals, not as Hydra's four
     lines and exit 1; a wrong type the same way."""

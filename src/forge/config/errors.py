@@ -1,5 +1,7 @@
 """The error raised for a config that cannot run."""
 
+import re
+
 
 class ConfigError(ValueError):
     """An impossible or unsupported combination of config values; the message names the keys."""
@@ -28,3 +30,20 @@ def composition_message(err: Exception) -> str:
         reason = "is not one of " + reason.split("expected one of [", 1)[1].rstrip("]")
         return f"{key}={value!r} {reason}"
     return f"{key}={value!r}: {reason}"
+
+
+def null_section_message(err: Exception, overrides: list[str]) -> str | None:
+    """One line for OmegaConf's failures to set values in a typed section the config leaves null (e.g.
+    `model.rope_scaling={factor: 8.0}` or `model.rope_scaling.factor=8.0` on a preset without rope scaling), which
+    Hydra does not wrap; None for any other error."""
+    found = re.search(r"full_key: (\S+)", str(err))
+    if isinstance(err, AttributeError) and found and "'NoneType' object" in str(err):
+        keys = [found.group(1)]
+    elif isinstance(err, AssertionError) and "Unexpected type for root: NoneType" in str(err):
+        keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o and o.split("=", 1)[0].count(".") >= 2]
+    else:
+        return None
+    return (
+        f"{' or '.join(keys) or 'an override'}: a section this config leaves null cannot take values from the "
+        "command line; set the section in a YAML file instead (a model preset, or an experiment in conf/experiment/)"
+    )

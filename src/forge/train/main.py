@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from forge.config import ConfigError, conf_dir, register_schemas, validate
 from forge.config.degrees import Degrees
-from forge.config.errors import composition_message
+from forge.config.errors import composition_message, null_section_message
 from forge.config.help import field_help
 from forge.config.validate import null_group_refusal
 from forge.data.sources import DataError
@@ -264,6 +264,12 @@ def main() -> None:
         hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")(_task)()
     except (ConfigCompositionException, OverrideParseException) as err:
         print(f"forge-train: invalid config: {composition_message(err)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    except (AttributeError, AssertionError) as err:  # OmegaConf's, unwrapped by Hydra (null_section_message)
+        line = null_section_message(err, sys.argv[1:])
+        if line is None:
+            raise
+        print(f"forge-train: invalid config: {line}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     except ValueError as err:  # Optuna's sweeper, asked for the best of trials that all stopped
         if "No trials are completed" not in str(err):
