@@ -48,6 +48,8 @@ NOT_RUN = {
     "launchers/slurm.sbatch to the local cluster",
     "bash launchers/local-slurm/start-slurm.sh": "run by the `slurm` fixture, which the local_slurm commands use",
     "forge-train debug=overfit": "tests/train/test_debug_presets.py runs it and checks the loss falls below 0.5",
+    "forge-train debug=profile": "tests/train/test_debug_presets.py::test_profile_writes_a_trace runs it and reads "
+    "the trace back",
 }
 
 EXPECT = {
@@ -180,7 +182,7 @@ def write_user_inputs(scratch: Path) -> None:
     (scratch / "captions.jsonl").write_text("\n".join(rows) + "\n")
     shutil.copy(images / "0.png", scratch / "shape.png")
     build_tiny_encoder(scratch / "siglip", "siglip")
-    for name in ("launchers", "Makefile", "pyproject.toml"):
+    for name in ("launchers", "Makefile", "pyproject.toml", "README.md"):  # make reinstalls from a newer pyproject
         (scratch / name).symlink_to(ROOT / name)
     (scratch / ".venv").symlink_to(Path(sys.executable).parent.parent)
 

@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="forge-convert",
         description="Convert a model between a run directory / DCP checkpoint, a consolidated torch or safetensors "
-        "file, and a Hugging Face Llama (dense) or Mixtral (MoE) folder.",
+        "file, and a Hugging Face folder of any family forge-train has.",
     )
     parser.add_argument("--to", required=True, choices=FORMATS, help="output format")
     parser.add_argument("src", help="run directory, checkpoint folder, consolidated file or Hugging Face folder")

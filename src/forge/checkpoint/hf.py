@@ -31,7 +31,7 @@ def read_config_json(config_file: Path) -> dict:
     except UnicodeDecodeError:
         raise CheckpointError(f"{config_file} is not a text file (not valid UTF-8)") from None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{config_file} is not a Llama or Mixtral config, nor another model's (a JSON object)")
+        raise CheckpointError(f"{config_file} is not a model config (a JSON object)")
     return config
 
 

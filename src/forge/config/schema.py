@@ -105,7 +105,7 @@ class ParallelConfig:
     weight gradients fill the bubble: interleaved_zb (looped), zbv and dualpipev (two stages per rank in a V: rank r
     holds stages r and 2 pp - 1 - r); the zero-bubble ones without data or context parallelism."""
     microbatches: Optional[int] = domain(None, ge=1)
-    """Pipeline microbatches per step; None uses the number of stages."""
+    """Pipeline microbatches per step; None uses parallel.pp (one per pipeline rank)."""
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     """Activation checkpointing: none, full (every block) or selective (keeps matmul outputs)."""
     compile: bool = False
@@ -445,8 +445,8 @@ class CheckpointConfig:
     run_lock_timeout_s: float = domain(600.0, ge=0)
     """How long run_lock=wait waits for the run directory before giving up."""
     load_weights: Optional[str] = domain(None, non_empty=True)
-    """Warm start: load only model weights from a run directory, a checkpoint folder, or a Hugging Face Llama or
-    Mixtral folder (config.json + *.safetensors; each rank reads only the slices it holds)."""
+    """Warm start: load only model weights from a run directory, a checkpoint folder, or a Hugging Face folder of
+    any family forge-train has (config.json + *.safetensors; each rank reads only the slices it holds)."""
     load_weights_exclude: list[str] = domain(list(), each=Domain(non_empty=True))
     """Key prefixes left at their initial values in a warm start (e.g. output. for a new head)."""
     async_mode: AsyncMode = AsyncMode.sync
