@@ -48,6 +48,8 @@ NOT_RUN = {
     "launchers/slurm.sbatch to the local cluster",
     "bash launchers/local-slurm/start-slurm.sh": "run by the `slurm` fixture, which the local_slurm commands use",
     "forge-train debug=overfit": "tests/train/test_debug_presets.py runs it and checks the loss falls below 0.5",
+    "torchrun --nproc_per_node=2 -m forge.train parallel=cp2 model.attention=flex": "tests/parallel/test_context_"
+    "parallel.py runs cp2 with flex attention, document masking and a sliding window against one process",
     "forge-train debug=profile": "tests/train/test_debug_presets.py::test_profile_writes_a_trace runs it and reads "
     "the trace back",
 }
