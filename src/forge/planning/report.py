@@ -21,6 +21,7 @@ import math
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,7 +64,6 @@ def fake_process_group(world_size: int):
 def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
     """The report printed by `forge-train --plan`; with `materialize`, rank 0's shards are also allocated on the CPU
     and initialised as a real run would, and a line says their bytes, the seconds and the host memory it took."""
-    from forge.models.common.moe import moe_layers
     from forge.parallel.mesh import build_mesh, mesh_shape
     from forge.parallel.pipeline import (
         V_SHAPED,
@@ -110,9 +110,9 @@ def plan_report(cfg: DictConfig, materialize: bool = False) -> str:
                 f"each step the two all-reduce its gradient ({shard:,} elements, {4 * shard / 2**20:.1f} MiB fp32 "
                 "per rank)"
             )
-        local = sum(count_local_parameters(p) for p in parts)
-        local_experts = sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p))
-        mem = rank_memory(cfg, degrees, parts, 0)
+        held0 = RankParts.of(parts)
+        local, local_experts = held0.local, held0.local_experts
+        mem = rank_memory(cfg, degrees, args, held0, 0)
         busiest = busiest_pipeline_rank(cfg, degrees, mesh, model, mem) if degrees.pp > 1 else None
         if materialize:
             materialized = materialize_rank0(cfg, parts, degrees)
@@ -156,33 +156,55 @@ def compute_dtype(cfg: DictConfig) -> str:
     return "bf16" if cfg.train.dtype in ("auto", "bf16") else "fp32"  # auto is bf16 on GPUs
 
 
-def rank_memory(cfg: DictConfig, degrees: Degrees, parts: list, pp_rank: int) -> MemoryEstimate:
-    """The memory estimate of the pipeline rank `pp_rank` holding the (parallelized) stage modules `parts`."""
-    from forge.models.common.moe import moe_layers
+@dataclass(frozen=True)
+class RankParts:
+    """What the memory estimate reads of the stage modules a pipeline rank holds, once parallelized."""
+
+    local: int
+    """Parameters this rank holds (its shards)."""
+    local_experts: int
+    """Of them, routed experts'."""
+    blocks: int
+    has_head: bool
+    outside: int
+    """Global sizes of the parameters outside the blocks (embedding, final norm, head)."""
+
+    @classmethod
+    def of(cls, parts: list) -> "RankParts":
+        from forge.models.common.moe import moe_layers
+        from forge.parallel.plan import count_local_parameters
+
+        return cls(
+            local=sum(count_local_parameters(p) for p in parts),
+            local_experts=sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p)),
+            blocks=sum(len(p.layers) for p in parts),
+            has_head=any(p.output is not None for p in parts),
+            outside=sum(
+                sum(t.numel() for t in p.parameters()) - sum(t.numel() for t in p.layers.parameters()) for p in parts
+            ),
+        )
+
+
+def rank_memory(cfg: DictConfig, degrees: Degrees, args, held: RankParts, pp_rank: int) -> MemoryEstimate:
+    """The memory estimate of the pipeline rank `pp_rank` holding `held`."""
     from forge.parallel.pipeline import stages_per_rank
-    from forge.parallel.plan import count_local_parameters
 
     train, parallel = cfg.train, cfg.parallel
-    args = parts[0].args
-    local = sum(count_local_parameters(p) for p in parts)
-    local_experts = sum(count_local_parameters(layer.experts) for p in parts for _, layer in moe_layers(p))
-    # global sizes of the parameters outside the blocks (embedding, final norm, head), per tp rank
-    outside = sum(sum(t.numel() for t in p.parameters()) - sum(t.numel() for t in p.layers.parameters()) for p in parts)
     chunks = (parallel.microbatches or degrees.pp) if degrees.pp > 1 else 1
     stages = stages_per_rank(parallel.pp_schedule)
     return estimate_memory(
         args,
         degrees,
-        local,
-        sum(len(p.layers) for p in parts),
-        any(p.output is not None for p in parts),
+        held.local,
+        held.blocks,
+        held.has_head,
         train.micro_batch_size,
         train.seq_len,
         pipeline_in_flight(degrees.pp, parallel.pp_schedule, chunks, pp_rank, stages),
         2 if compute_dtype(cfg) == "bf16" else 4,
         deferred_sync=parallel.get("defer_grad_sync") is True,
         dense_masks=uses_dense_masks(cfg),
-        local_experts=local_experts,
+        local_experts=held.local_experts,
         grads_at_peak=grads_at_peak(
             train.global_batch_size // (degrees.dp * train.micro_batch_size),
             degrees.pp,
@@ -192,40 +214,47 @@ def rank_memory(cfg: DictConfig, degrees: Degrees, parts: list, pp_rank: int) ->
             stages,
         ),
         chunks=chunks,
-        root_params=outside / degrees.tp,
+        root_params=held.outside / degrees.tp,
         head_share=head_in_flight(degrees.pp, parallel.pp_schedule, chunks),
     )
 
 
 def busiest_pipeline_rank(cfg: DictConfig, degrees: Degrees, mesh, model, rank0: MemoryEstimate) -> str:
     """The pipeline rank with the highest estimated peak: stages differ in blocks (uneven splits put the extra ones
-    in the middle), in the embedding and head they hold, and in the activations their schedule keeps in flight."""
-    from forge.parallel.pipeline import V_SHAPED, build_stage_module, rank_stages, stages_per_rank
+    in the middle), in the embedding and head they hold, and in the activations their schedule keeps in flight.
+    Ranks whose stages have the same sizes and ends hold the same shards, so each kind is parallelized once (a few
+    kinds however large pp is)."""
+    from forge.parallel.pipeline import V_SHAPED, build_stage_module, rank_stages, stage_sizes, stages_per_rank
     from forge.parallel.plan import parallelize
 
     parallel = cfg.parallel
     n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
-    worst, worst_rank, worst_parts = rank0, 0, []
+    v_shaped = parallel.pp_schedule in V_SHAPED
+    sizes = stage_sizes(len(model.layers), n_stages, v_shaped)
+    kinds: dict[tuple, RankParts] = {}
+    worst, worst_rank = rank0, 0
     quiet = logging.getLogger("forge")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # the transforms were logged once, for rank 0
     try:
         for pp_rank in range(1, degrees.pp):
             held = rank_stages(parallel.pp_schedule, degrees.pp, pp_rank)
-            parts = [build_stage_module(model, s, n_stages, parallel.pp_schedule in V_SHAPED) for s in held]
-            for part in parts:
-                parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute_dtype(cfg))
-            mem = rank_memory(cfg, degrees, parts, pp_rank)
+            kind = tuple((sizes[s], s == 0, s == n_stages - 1) for s in held)
+            if kind not in kinds:
+                parts = [build_stage_module(model, s, n_stages, v_shaped) for s in held]
+                for part in parts:
+                    parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute_dtype(cfg))
+                kinds[kind] = RankParts.of(parts)
+            mem = rank_memory(cfg, degrees, model.args, kinds[kind], pp_rank)
             if mem.peak(False) > worst.peak(False):
-                worst, worst_rank, worst_parts = mem, pp_rank, parts
+                worst, worst_rank = mem, pp_rank
     finally:
         quiet.setLevel(level)
     if worst_rank == 0:
         return "busiest pipeline rank: rank 0 (the estimate above is the highest of the pipeline ranks)"
-    blocks = sum(len(p.layers) for p in worst_parts)
+    held = rank_stages(parallel.pp_schedule, degrees.pp, worst_rank)
     return (
-        f"busiest pipeline rank: pipeline rank {worst_rank} (stages "
-        f"{rank_stages(parallel.pp_schedule, degrees.pp, worst_rank)}, {blocks} blocks): "
+        f"busiest pipeline rank: pipeline rank {worst_rank} (stages {held}, {sum(sizes[s] for s in held)} blocks): "
         f"peak {worst.peak(False) / GIB:.2f} GiB without checkpointing, {worst.peak(True) / GIB:.2f} GiB with"
     )
 
