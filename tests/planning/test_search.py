@@ -6,6 +6,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 from forge.config import compose, validate
 from forge.planning.report import plan_report
@@ -51,6 +52,7 @@ def test_the_winner_passes_validation_as_the_overrides_it_prints():
         ("llama3_70b", 64, Layout(4, 4, 4, 1, 1, "full", 4)),
         ("llama3_1b", 8, Layout(1, 2, 1, 4, 1, "none", 8, "interleaved_1f1b", 8)),  # tied, pipelined
         ("llama3_1b", 6, Layout(1, 2, 1, 3, 1, "none", 8, "gpipe", 8)),  # 16 blocks on 3 stages: 5, 6, 5
+        ("llama3_1b", 8, Layout(1, 2, 1, 4, 1, "full", 8, "interleaved_1f1b", 8)),  # busiest with checkpointing
         ("llama3_8b", 16, Layout(1, 2, 2, 1, 1, "full", 1, cp=4)),  # context parallel x TP x FSDP
     ],
 )
@@ -71,6 +73,31 @@ def test_memory_is_the_plans_estimate(model, world, layout):
     shape = ModelShape.of(build.build_meta_model(cfg))
     got = predict(layout, shape, cfg.train, DEVICES["h100"], settings).memory / GIB
     assert got == pytest.approx(peak, rel=0.01, abs=0.01)
+
+
+def test_the_plan_counts_each_pipeline_ranks_own_moe_blocks():
+    """12 blocks on 4 pipeline ranks, the first 6 dense: ranks 1 and 2 have stages of the same size but rank 1's
+    blocks are dense and rank 2's MoE, so they hold different shards. What the plan counts for each rank (each kind
+    of rank parallelized once) equals that rank's own stage modules, parallelized afresh."""
+    from forge.config import validate
+    from forge.parallel.mesh import build_mesh
+    from forge.parallel.pipeline import build_stage_module, rank_stages
+    from forge.parallel.plan import parallelize
+    from forge.planning.report import RankParts, compute_dtype, fake_process_group, pipeline_rank_parts
+
+    cfg = searched("model=moe_tiny", "model.n_layers=12", "model.moe.first_dense=6", "parallel.world_size=4",
+                   "parallel.pp=4", "parallel.dp_shard=1", "train.micro_batch_size=8")  # fmt: skip
+    degrees = validate(cfg, 4)
+    with fake_process_group(4):
+        mesh = build_mesh(degrees, "cpu")
+        model = build.build_meta_model(cfg)
+        counted = pipeline_rank_parts(cfg, degrees, mesh, model)
+        for pp_rank, held in counted.items():
+            parts = [build_stage_module(model, s, 4) for s in rank_stages(cfg.parallel.pp_schedule, 4, pp_rank)]
+            for part in parts:
+                parallelize(part, mesh, degrees, cfg.parallel, torch.device("cpu"), compute_dtype(cfg))
+            assert held == RankParts.of(parts), pp_rank
+    assert counted[1].local_experts == 0 < counted[2].local_experts == counted[3].local_experts
 
 
 def test_terms_follow_their_formulas():

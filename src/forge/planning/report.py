@@ -219,42 +219,57 @@ def rank_memory(cfg: DictConfig, degrees: Degrees, args, held: RankParts, pp_ran
     )
 
 
-def busiest_pipeline_rank(cfg: DictConfig, degrees: Degrees, mesh, model, rank0: MemoryEstimate) -> str:
-    """The pipeline rank with the highest estimated peak: stages differ in blocks (uneven splits put the extra ones
-    in the middle), in the embedding and head they hold, and in the activations their schedule keeps in flight.
-    Ranks whose stages have the same sizes and ends hold the same shards, so each kind is parallelized once (a few
-    kinds however large pp is)."""
-    from forge.parallel.pipeline import V_SHAPED, build_stage_module, rank_stages, stage_sizes, stages_per_rank
+def pipeline_rank_parts(cfg: DictConfig, degrees: Degrees, mesh, model) -> dict[int, RankParts]:
+    """What pipeline ranks 1 .. pp - 1 hold, parallelized as rank 0's stages are (under the plan's fake process
+    group). Ranks whose stages hold blocks of the same sizes (MoE or dense) and the same ends hold the same shards,
+    so each kind is parallelized once: a few kinds however large pp is."""
+    from forge.parallel.pipeline import V_SHAPED, build_stage_module, rank_stages, stage_layers, stages_per_rank
     from forge.parallel.plan import parallelize
 
     parallel = cfg.parallel
     n_stages = degrees.pp * stages_per_rank(parallel.pp_schedule)
     v_shaped = parallel.pp_schedule in V_SHAPED
-    sizes = stage_sizes(len(model.layers), n_stages, v_shaped)
+    layers = stage_layers(len(model.layers), n_stages, v_shaped)
+    blocks = {key: sum(p.numel() for p in block.parameters()) for key, block in model.layers.items()}
     kinds: dict[tuple, RankParts] = {}
-    worst, worst_rank = rank0, 0
+    held_by: dict[int, RankParts] = {}
     quiet = logging.getLogger("forge")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # the transforms were logged once, for rank 0
     try:
         for pp_rank in range(1, degrees.pp):
             held = rank_stages(parallel.pp_schedule, degrees.pp, pp_rank)
-            kind = tuple((sizes[s], s == 0, s == n_stages - 1) for s in held)
+            kind = tuple((tuple(blocks[b] for b in layers[s]), s == 0, s == n_stages - 1) for s in held)
             if kind not in kinds:
                 parts = [build_stage_module(model, s, n_stages, v_shaped) for s in held]
                 for part in parts:
                     parallelize(part, mesh, degrees, parallel, torch.device("cpu"), compute_dtype(cfg))
                 kinds[kind] = RankParts.of(parts)
-            mem = rank_memory(cfg, degrees, model.args, kinds[kind], pp_rank)
-            if mem.peak(False) > worst.peak(False):
-                worst, worst_rank = mem, pp_rank
+            held_by[pp_rank] = kinds[kind]
     finally:
         quiet.setLevel(level)
+    return held_by
+
+
+def busiest_pipeline_rank(cfg: DictConfig, degrees: Degrees, mesh, model, rank0: MemoryEstimate) -> str:
+    """The pipeline rank with the highest estimated peak: stages differ in blocks (uneven splits put the extra ones
+    in the middle; MoE blocks may start part way), in the embedding and head they hold, and in the activations
+    their schedule keeps in flight. The peak compared is the one this config runs with (full activation
+    checkpointing or not), as the layout search takes it."""
+    from forge.parallel.pipeline import rank_stages
+
+    parallel = cfg.parallel
+    checkpointed = parallel.activation_checkpoint == "full"
+    worst, worst_rank, worst_blocks = rank0, 0, 0
+    for pp_rank, held in pipeline_rank_parts(cfg, degrees, mesh, model).items():
+        mem = rank_memory(cfg, degrees, model.args, held, pp_rank)
+        if mem.peak(checkpointed) > worst.peak(checkpointed):
+            worst, worst_rank, worst_blocks = mem, pp_rank, held.blocks
     if worst_rank == 0:
         return "busiest pipeline rank: rank 0 (the estimate above is the highest of the pipeline ranks)"
-    held = rank_stages(parallel.pp_schedule, degrees.pp, worst_rank)
+    stages = rank_stages(parallel.pp_schedule, degrees.pp, worst_rank)
     return (
-        f"busiest pipeline rank: pipeline rank {worst_rank} (stages {held}, {sum(sizes[s] for s in held)} blocks): "
+        f"busiest pipeline rank: pipeline rank {worst_rank} (stages {stages}, {worst_blocks} blocks): "
         f"peak {worst.peak(False) / GIB:.2f} GiB without checkpointing, {worst.peak(True) / GIB:.2f} GiB with"
     )
 
