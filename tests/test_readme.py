@@ -131,8 +131,16 @@ def block_commands(blocks: list[list[str]]) -> list[str]:
     return commands
 
 
+def page_commands(text: str) -> list[str]:
+    """A page's commands; every line of a ```bash block must be one (else it reads `<not a command> ...`)."""
+    commands = []
+    for block in fenced_bash_blocks(text):
+        commands += block_commands([block]) or [f"<not a command> {block[0]}"]
+    return commands
+
+
 def readme_commands() -> list[str]:
-    return block_commands(fenced_bash_blocks((ROOT / "README.md").read_text()))
+    return page_commands((ROOT / "README.md").read_text())
 
 
 def docs_commands() -> list[str]:
@@ -141,8 +149,7 @@ def docs_commands() -> list[str]:
     for page in nav_pages():
         if not (DOCS / page).exists():
             continue  # tests/docs/test_site.py names it
-        for block in fenced_bash_blocks((DOCS / page).read_text()):
-            commands += block_commands([block]) or [f"<not a command> {block[0]}"]
+        commands += page_commands((DOCS / page).read_text())
     return commands
 
 

@@ -127,11 +127,13 @@ def test_a_world_size_other_than_the_launched_one_is_one_line(tmp_path):
 def test_values_for_a_section_the_preset_leaves_null_are_one_line(tmp_path):
     """OmegaConf cannot merge into a typed section that is null (llama_tiny's rope_scaling); both forms of the
     override ended in its traceback. An experiment's YAML sets the section."""
-    for override in ("model.rope_scaling={factor: 4.0}", "model.rope_scaling.factor=4.0"):
-        result = run_cli(tmp_path, "--cfg", "job", override)
+    for override, key in (("model.rope_scaling={factor: 4.0}", "model.rope_scaling"),
+                          ("model.rope_scaling.factor=4.0", "model.rope_scaling.factor")):  # fmt: skip
+        result = run_cli(tmp_path, "--cfg", "job", override)  # run_cli adds hydra.run.dir, not named
         assert result.returncode == 2, result.stdout + result.stderr
         lines = [line for line in result.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and "model.rope_scaling" in lines[0] and "YAML file" in lines[0], lines
+        assert len(lines) == 1 and lines[0].startswith(f"forge-train: invalid config: {key}: "), lines
+        assert "YAML file" in lines[0]
         assert "Traceback" not in result.stderr + result.stdout
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
     (tmp_path / "conf" / "experiment" / "rope.yaml").write_text(

@@ -27,7 +27,7 @@ REFERENCE = {
     "single_4l": ["parallel=single", "train.micro_batch_size=8", *FOUR_LAYERS],
     "single_tied": ["parallel=single", "train.micro_batch_size=8", "model.tie_embeddings=true"],
     "single_3l": ["parallel=single", "train.micro_batch_size=8", "model.n_layers=3"],
-    "single_5l": ["parallel=single", "train.micro_batch_size=8", "model.n_layers=5"],
+    "single_6l": ["parallel=single", "train.micro_batch_size=8", "model.n_layers=6"],
 }
 TWO_RANKS = {
     "pp2_gpipe": ["parallel=pp2", "parallel.pp_schedule=gpipe", "train.micro_batch_size=8"],
@@ -51,14 +51,14 @@ TWO_RANKS = {
         ]
         for schedule in ("interleaved_zb", "zbv", "dualpipev")
     },
-    # a V over 5 blocks: 2 and 3 per rank (stages 0 and 3 on rank 0, 1 and 2 on rank 1), not 2 and 4 stage-even
+    # a V over 6 blocks: 3 per rank (stages of 2, 2, 1, 1; rank 0 holds stages 0 and 3), not 2 and 4 stage-even
     "pp2_zbv_uneven": [
         "parallel=pp2",
         "parallel.pp_schedule=zbv",
         "train.micro_batch_size=8",
         "parallel.microbatches=4",
-        "model.n_layers=5",
-    ],  # fmt: skip
+        "model.n_layers=6",
+    ],
 }
 FOUR_RANKS = {
     "pp2_fsdp": ["parallel=pp2_fsdp", "train.micro_batch_size=4", "parallel.microbatches=2"],
@@ -78,7 +78,7 @@ REFERENCE_OF = {
     "pp2_interleaved": "single_4l",
     "pp2_interleaved_zb": "single_4l",
     "pp2_zbv": "single_4l",
-    "pp2_zbv_uneven": "single_5l",
+    "pp2_zbv_uneven": "single_6l",
     "pp2_dualpipev": "single_4l",
     "tp2_pp2_interleaved": "single_4l",
     "tp2_pp2_zbv": "single_4l",
@@ -134,7 +134,7 @@ def test_stages_hold_disjoint_blocks(two_ranks):
     assert two_ranks[0]["pp2_1f1b"]["blocks"] == ["layers.0"]
     assert two_ranks[1]["pp2_1f1b"]["blocks"] == ["layers.1"]
     assert [rank["pp2_uneven"]["blocks"] for rank in two_ranks] == [["layers.0", "layers.1"], ["layers.2"]]
-    assert [rank["pp2_zbv_uneven"]["block_ids"] for rank in two_ranks] == [[0, 4], [1, 2, 3]]
+    assert [rank["pp2_zbv_uneven"]["block_ids"] for rank in two_ranks] == [[0, 1, 5], [2, 3, 4]]
     # interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 (ModuleList of two stage modules)
     assert (
         two_ranks[0]["pp2_interleaved"]["local_params"] + two_ranks[1]["pp2_interleaved"]["local_params"]

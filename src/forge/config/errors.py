@@ -40,7 +40,8 @@ def null_section_message(err: Exception, overrides: list[str]) -> str | None:
     if isinstance(err, AttributeError) and found and "'NoneType' object" in str(err):
         keys = [found.group(1)]
     elif isinstance(err, AssertionError) and "Unexpected type for root: NoneType" in str(err):
-        keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o and o.split("=", 1)[0].count(".") >= 2]
+        keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
+        keys = [key for key in keys if key.count(".") >= 2 and not key.startswith("hydra.")]
     else:
         return None
     return (

@@ -93,7 +93,7 @@ def table(points: list[Point]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="forge-sweep-report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="forge-sweep-report", description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep_dir", type=Path, help="a Hydra multirun directory (hydra.sweep.dir)")
     args = parser.parse_args(argv)
     sweep_dir = args.sweep_dir

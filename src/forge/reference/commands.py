@@ -18,12 +18,20 @@ def scripts() -> dict[str, str]:
 
 def help_text(name: str, target: str) -> str:
     module, function = target.split(":")
-    env = os.environ | {"COLUMNS": "100", "HYDRA_FULL_ERROR": "0"}
+    env = {k: v for k, v in os.environ.items() if k != "FORCE_COLOR"}
+    env |= {"COLUMNS": "100", "HYDRA_FULL_ERROR": "0", "NO_COLOR": "1", "PYTHON_COLORS": "0"}
     code = f"import sys; sys.argv[0] = {name!r}; from {module} import {function}; {function}()"
-    done = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, env=env, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", code, "--help"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{name} --help exited {done.returncode}: {done.stderr.strip()[-500:]}")
     return done.stdout.rstrip().replace(str(ROOT), ".")
+
+
+def python_version() -> str:
+    """argparse lays out its help differently from one Python minor version to another."""
+    return f"Python {sys.version_info.major}.{sys.version_info.minor}"
 
 
 def render() -> str:
@@ -34,6 +42,7 @@ def render() -> str:
         "`tests/docs/test_reference.py` fails when this page is stale). `forge-train` and `forge-prepare-data` take",
         "Hydra overrides (`group=option`, `key=value`); their help lists the config groups and every field with the",
         "value this command would run ([config fields](config.md) has each field in full).",
+        f"The help below is laid out by {python_version()}'s argparse.",
     ]
     with ThreadPoolExecutor(max_workers=2) as pool:  # each starts an interpreter that imports torch
         helps = pool.map(help_text, scripts().keys(), scripts().values())

@@ -30,6 +30,8 @@ PLAN_ONLY = False
 LAST_FAILED_POINT: list[str | int] = []
 """The line and exit code of the last sweep point that stopped in this process (the search's end reports it)."""
 CALIBRATE = False
+COMPOSED = False
+"""Set when Hydra has composed the config and the task starts: errors after it are not composition errors."""
 """Set by `--calibrate`: measure this machine and write a device profile for `--plan --search` instead of training."""
 
 
@@ -106,6 +108,8 @@ def check_output_dir() -> None:
 def _task(cfg: DictConfig) -> float | None:
     """One run (or sweep point); returns its objective, the last validation loss, for a sweeper that optimises it
     (Hydra records it as the job's return value; hydra-optuna-sweeper minimises it)."""
+    global COMPOSED
+    COMPOSED = True
     try:
         check_output_dir()
         fit_defaults_to_run(cfg)
@@ -266,7 +270,7 @@ def main() -> None:
         print(f"forge-train: invalid config: {composition_message(err)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     except (AttributeError, AssertionError) as err:  # OmegaConf's, unwrapped by Hydra (null_section_message)
-        line = null_section_message(err, sys.argv[1:])
+        line = None if COMPOSED else null_section_message(err, sys.argv[1:])
         if line is None:
             raise
         print(f"forge-train: invalid config: {line}", file=sys.stderr)
