@@ -5,7 +5,7 @@ from pathlib import Path
 
 from forge.config import compose
 from forge.models.spec import spec_of
-from forge.train.build import build_meta_model, model_args
+from forge.train.build import build_meta_model
 
 CONF_MODEL = Path(__file__).resolve().parents[3] / "conf" / "model"
 
@@ -42,9 +42,8 @@ def count(params: float) -> str:
 
 
 def row(name: str) -> str:
-    cfg = compose([f"model={name}"])
-    args = model_args(cfg)
-    model = build_meta_model(cfg)
+    model = build_meta_model(compose([f"model={name}"]))
+    args = model.args
     total = sum(p.numel() for p in model.parameters())
     experts, share = routed_share(model)
     active = total - experts + experts * share
