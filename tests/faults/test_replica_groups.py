@@ -3,6 +3,7 @@ rank each, on gloo, with torchft's lighthouse. Group 1's rank is SIGKILLed mid-r
 restart, torchrun restarts group 1, which takes group 0's state over HTTP (not from disk) and trains with it to
 the end; the two groups' final weights are then equal, bit for bit."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ from tests.faults.conftest import RUN
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
-STEPS = 400
+STEPS = 120
 KILL_AFTER = 20
 
 
@@ -56,6 +57,29 @@ def worker_of_group(group: int) -> int:
     raise AssertionError(f"no worker of replica group {group}")
 
 
+def hold_until_restarted(pid: int, group0: Path, group1: Path, killed_at: int, launcher: subprocess.Popen) -> None:
+    """Once group 0 has stepped alone a few steps, stop it (SIGSTOP) until the restarted group 1 waits in its first
+    quorum, then let it go on: alone, group 0 would otherwise finish its steps before a loaded machine has restarted
+    group 1, which would then find no live group to take the state of."""
+    deadline = time.monotonic() + 120
+    while launcher.poll() is None and time.monotonic() < deadline:
+        alone = [r for r in records(group0) if r["step"] > killed_at and r["replica_groups"] == 1]
+        if len(alone) >= 3:
+            break
+        time.sleep(0.01)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        while launcher.poll() is None and time.monotonic() < deadline + 120:
+            log = (group1 / "forge.log").read_text()
+            restarted = log.split(" parameters | ")[2:]  # what the second attempt logged after its model was built
+            if restarted and "groups in its first quorum; waiting" in restarted[-1]:
+                break
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
 def final_weights(run_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     whole = tmp_path / f"{run_dir.name}.pt"
     dcp_to_torch_save(latest_checkpoint(run_dir / "checkpoints"), whole)
@@ -70,6 +94,7 @@ def test_a_lost_group_restarts_and_takes_a_live_groups_state_while_the_other_ste
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
+    survivor_pid = None
     try:
         group0, group1 = tmp_path / "replica_0", tmp_path / "replica_1"
         deadline = time.monotonic() + 120
@@ -78,8 +103,13 @@ def test_a_lost_group_restarts_and_takes_a_live_groups_state_while_the_other_ste
         assert both_past(KILL_AFTER, group0, group1), launcher.communicate(timeout=5)[0][-3000:]
         os.kill(worker_of_group(1), signal.SIGKILL)
         killed_at = records(group0)[-1]["step"]
+        survivor_pid = worker_of_group(0)
+        hold_until_restarted(survivor_pid, group0, group1, killed_at, launcher)
         out, _ = launcher.communicate(timeout=180)
     finally:
+        if survivor_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(survivor_pid, signal.SIGCONT)
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 0, out[-4000:]

@@ -159,6 +159,14 @@ class ReplicaGroups:
         steps would meet only after training apart."""
         deadline = time.monotonic() + self.cfg.ft_join_timeout_s
         self.manager.start_quorum()
+        if self.manager.num_participants() < self.cfg.ft_replicas:
+            log.info(
+                "replica group %d: %d of %d groups in its first quorum; waiting up to %g s for the others",
+                self.cfg.ft_replica_id,
+                self.manager.num_participants(),
+                self.cfg.ft_replicas,
+                self.cfg.ft_join_timeout_s,
+            )
         while self.manager.num_participants() < self.cfg.ft_replicas and time.monotonic() < deadline:
             time.sleep(0.1)
             self.manager.start_quorum()
