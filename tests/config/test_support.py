@@ -53,7 +53,8 @@ def train_cells(cells: dict[str, list[str]], root: str) -> dict[str, float]:
 
 
 ELSEWHERE = {
-    4: "HSDP in tests/parallel/test_parity.py, pp2 x ep2 in test_pipeline.py, tp2 x ep2 in test_moe_layouts.py",
+    4: "HSDP in tests/parallel/test_parity.py, pp2 x ep2 and zbv x FSDP in test_pipeline.py, tp2 x ep2 in "
+    "test_moe_layouts.py",
     8: "tests/parallel/test_pipeline.py's tp2 x pp2 x FSDP 2 and tp2 x cp2 x pp2, against one process",
 }
 """Worlds whose cells run in other tests. (Several trainers of those layouts one after another in one forked

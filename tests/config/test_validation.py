@@ -135,9 +135,9 @@ CASES = [
     ),
     (["parallel=pp2", "model.n_layers=1", "train.micro_batch_size=4"], 2, ["cannot be split"]),
     (
-        ["parallel=pp2_fsdp", "parallel.pp_schedule=zbv", "model.n_layers=4", "train.micro_batch_size=4"],
+        ["parallel=pp2_fsdp", "parallel.pp_schedule=zbv", "model.n_layers=4", "parallel.defer_grad_sync=false"],
         4,
-        ["parallel.pp_schedule=zbv with data or context parallelism (dp 2, cp 1)"],
+        ["parallel.pp_schedule=zbv with parallel.defer_grad_sync=false under FSDP (dp_shard x cp = 2)"],
     ),
     (
         ["parallel=pp2", "parallel.pp_schedule=interleaved_zb", "model.n_layers=4", "parallel.compile=true"],

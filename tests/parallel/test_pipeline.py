@@ -62,6 +62,25 @@ TWO_RANKS = {
 }
 FOUR_RANKS = {
     "pp2_fsdp": ["parallel=pp2_fsdp", "train.micro_batch_size=4", "parallel.microbatches=2"],
+    # zero-bubble under data and context parallelism: the stage stays gathered through the step, so torch's split
+    # backward finds the weights the forward used, and is reduced once at its end
+    "pp2_fsdp_zbv": ["parallel=pp2_fsdp", "parallel.pp_schedule=zbv", "train.micro_batch_size=4", *FOUR_LAYERS],
+    "pp2_ddp_interleaved_zb": [
+        "parallel.pp=2",
+        "parallel.dp_replicate=2",
+        "parallel.pp_schedule=interleaved_zb",
+        "train.micro_batch_size=4",
+        "parallel.microbatches=4",
+        *FOUR_LAYERS,
+    ],
+    "cp2_pp2_dualpipev": [
+        "parallel.pp=2",
+        "parallel.cp=2",
+        "parallel.pp_schedule=dualpipev",
+        "train.micro_batch_size=8",
+        "parallel.microbatches=4",
+        *FOUR_LAYERS,
+    ],
 }
 # Tensor-parallel stages: the residual stream crosses a stage boundary as a sequence-split DTensor, the last stage's
 # logits are split over the vocabulary (the schedule runs under loss_parallel).
@@ -83,6 +102,9 @@ REFERENCE_OF = {
     "tp2_pp2_interleaved": "single_4l",
     "tp2_pp2_zbv": "single_4l",
     "tp2_pp2_tied": "single_tied",
+    "pp2_fsdp_zbv": "single_4l",
+    "pp2_ddp_interleaved_zb": "single_4l",
+    "cp2_pp2_dualpipev": "single_4l",
 }
 
 
@@ -154,9 +176,10 @@ def test_evaluation_leaves_no_chunk_cached(layout, two_ranks):
     assert [rank[layout]["cached_chunks"] for rank in two_ranks] == [0, 0]
 
 
-def test_pp2_fsdp_matches_one_process(tmp_path, reference):
+def test_pp2_with_data_or_context_parallelism_matches_one_process(tmp_path, reference):
     runs = launch(run_pipeline_scenarios, 4, FOUR_RANKS, str(tmp_path))
-    assert_same_curves(runs[0]["pp2_fsdp"], reference["single"])
+    for layout in FOUR_RANKS:
+        assert_same_curves(runs[0][layout], reference[REFERENCE_OF.get(layout, "single")])
     assert sum(r["pp2_fsdp"]["local_params"] for r in runs) == runs[0]["pp2_fsdp"]["params"]
 
 
@@ -216,6 +239,7 @@ def test_moe_stages_match_one_process(tmp_path):
         "sigmoid_micro4": ["parallel=single", "train.micro_batch_size=4", *MOE, *SIGMOID],
         "moe_micro2": ["parallel=single", "train.micro_batch_size=2", *MOE],
         "sigmoid_micro2": ["parallel=single", "train.micro_batch_size=2", *MOE, *SIGMOID],
+        "moe_micro2_4l": ["parallel=single", "train.micro_batch_size=2", *MOE, *FOUR_LAYERS],
     }
     two = {
         "pp2_moe": ["parallel=pp2", "train.micro_batch_size=8", "parallel.microbatches=2", *MOE],
@@ -230,6 +254,16 @@ def test_moe_stages_match_one_process(tmp_path):
             *MOE,
             *SIGMOID,
         ],
+        # zbv: the router losses join a stage output that torch's split backward detaches in place
+        "pp2_ep2_zbv": [
+            "parallel=pp2_fsdp",
+            "parallel.ep=2",
+            "parallel.pp_schedule=zbv",
+            "train.micro_batch_size=4",
+            "parallel.microbatches=2",
+            *MOE,
+            *FOUR_LAYERS,
+        ],
     }
     want = launch(run_pipeline_scenarios, 1, one, str(tmp_path / "one"))[0]
     got = launch(run_pipeline_scenarios, 2, two, str(tmp_path / "two"))[0]
@@ -240,6 +274,7 @@ def test_moe_stages_match_one_process(tmp_path):
     assert_same_curves(got["tp2_pp2_moe"], want["moe_micro4"])
     assert_same_curves(got["pp2_ep2"], want["moe_micro2"])
     assert_same_curves(got["pp2_fsdp_sigmoid"], want["sigmoid_micro2"])
+    assert_same_curves(got["pp2_ep2_zbv"], want["moe_micro2_4l"])
 
 
 def test_four_dimensional_layout_matches_one_process(tmp_path, reference):

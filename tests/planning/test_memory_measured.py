@@ -37,6 +37,7 @@ LAYOUTS = {
     "tp2_pp2_fsdp2": Layout(1, 2, 2, 2, 1, "none", 8, "1f1b", 4),  # 8 forked ranks; measured 1.05
     "pp2_zbv": Layout(1, 1, 1, 2, 1, "none", 16, "zbv", 4),  # measured 0.99
     "pp2_interleaved_zb": Layout(1, 1, 1, 2, 1, "none", 16, "interleaved_zb", 4),  # measured 1.03
+    "pp2_fsdp2_zbv": Layout(1, 2, 1, 2, 1, "none", 8, "zbv", 4),  # 4 ranks, the stage gathered through the step
     # MoE layouts on 4 ranks, measured 0.97 and 0.95 (0.81 and 0.88 before the estimate counted the routing's token
     # copies, expert outputs and router scores, whole on every tp rank); tp2 x ep2 read 0.94 (0.87) and pp2 x ep2
     # 1.02 (0.92) when run alone (pp2 x ep2 under the profiler once failed in the suite's worker to resolve a

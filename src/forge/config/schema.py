@@ -103,7 +103,8 @@ class ParallelConfig:
     pp_schedule: PPSchedule = PPSchedule["1f1b"]
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (two looped stages per rank), or the zero-bubble ones, whose
     weight gradients fill the bubble: interleaved_zb (looped), zbv and dualpipev (two stages per rank in a V: rank r
-    holds stages r and 2 pp - 1 - r); the zero-bubble ones without data or context parallelism."""
+    holds stages r and 2 pp - 1 - r). Under FSDP the zero-bubble ones reduce each stage's gradients once per step
+    and keep its parameters gathered through the step (as defer_grad_sync=true)."""
     microbatches: Optional[int] = domain(None, ge=1)
     """Pipeline microbatches per step; None uses parallel.pp (one per pipeline rank)."""
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
@@ -147,9 +148,10 @@ class ParallelConfig:
     defer_grad_sync: Optional[bool] = None
     """Gradient accumulation: true reduces gradients only after the last micro-batch (fewer collectives, but
     FSDP then holds an unsharded gradient of the whole model per rank); false reduce-scatters after every
-    micro-batch (gradient memory stays the shard); null: false when parameters are sharded, true for DDP.
-    Under pp the same holds per pipeline chunk: false reduce-scatters after each chunk's backward, true keeps
-    torch's schedule, which also holds the stage's parameters unsharded until the step ends."""
+    micro-batch (gradient memory stays the shard); null: false when parameters are sharded, true for DDP and for
+    the zero-bubble pipeline schedules. Under pp the same holds per pipeline chunk: false reduce-scatters after
+    each chunk's backward, true keeps torch's schedule, which also holds the stage's parameters unsharded until the
+    step ends."""
 
 
 GPT2_VOCAB = 50257

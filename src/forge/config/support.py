@@ -55,6 +55,7 @@ FEATURES = {
     "compile": Feature(("parallel.compile=true",), 1),
     "flex attention": Feature(("model.attention=flex",), 1),
     "document masking": Feature(("data.document_masking=true",), 1),
+    "zero-bubble pp (zbv) x FSDP": Feature(("parallel=pp2_fsdp", "parallel.pp_schedule=zbv", "model.n_layers=4"), 4),
     "tp x pp x FSDP": Feature(("parallel=tp2_pp2_fsdp",), 8),
     "tp x cp x pp": Feature(("parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.dp_shard=1"), 8),
     "pp x ep x FSDP": Feature(("parallel=pp2_fsdp", "parallel.ep=2"), 4),

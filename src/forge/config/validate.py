@@ -226,11 +226,11 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         schedule = str(parallel.pp_schedule)
         if schedule in ZERO_BUBBLE:
             require(
-                degrees.dp == 1 and degrees.cp == 1,
-                f"parallel.pp_schedule={schedule} with data or context parallelism (dp {degrees.dp}, cp {degrees.cp}) "
-                "is not supported: FSDP2 reduces a block's gradients before the schedule's deferred weight gradients "
-                "reach them (pp2 x FSDP 2 trained with a 23% smaller gradient norm than one process); use "
-                "interleaved_1f1b, or dp and cp 1",
+                degrees.fsdp_shard == 1 or parallel.get("defer_grad_sync") is not False,
+                f"parallel.pp_schedule={schedule} with parallel.defer_grad_sync=false under FSDP (dp_shard x cp = "
+                f"{degrees.fsdp_shard}) is not supported: the schedule computes a chunk's weight gradients after its "
+                "input gradients, so the stage's gradients are reduced once, when the step ends; leave "
+                "parallel.defer_grad_sync unset",
             )
             require(
                 not parallel.compile,

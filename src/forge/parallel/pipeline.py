@@ -44,7 +44,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
 from forge.config.degrees import Degrees
-from forge.config.schema import V_SHAPED, PPSchedule, stages_per_rank
+from forge.config.schema import V_SHAPED, ZERO_BUBBLE, PPSchedule, stages_per_rank
 from forge.models.common.attention import DocumentMask
 from forge.models.common.moe import moe_layers
 from forge.models.common.moe.balance import router_losses
@@ -152,7 +152,7 @@ class _WithRouterLosses(torch.autograd.Function):
     def forward(ctx, output: torch.Tensor, losses: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(losses)
         ctx.scale = scale
-        return output.view_as(output)
+        return output.clone()  # not a view: the zero-bubble schedules detach the stage output in place
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -394,6 +394,12 @@ def build_pipeline(
         if moe_layers(part):
             part.register_forward_hook(routers)
     group = pp_mesh.get_group()
+    if parallel_cfg.pp_schedule in ZERO_BUBBLE:
+        # torch's split backward finds a chunk's weights among the stage's parameters: under FSDP these must be the
+        # unsharded ones the forward used, so the stage stays gathered from its first forward to the step's end
+        for part in parts:
+            if isinstance(part, FSDPModule):
+                part.set_reshard_after_forward(False)
     stage_cls = Stage if defer_grad_sync else ReducingStage
 
     # Under tp the stages pass DTensors (the sequence-split residual stream); a receiving stage finds their mesh by

@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig
 
 from forge.config import validate
-from forge.config.degrees import Degrees, resolve_degrees
+from forge.config.degrees import Degrees, defers_grad_sync, resolve_degrees
 from forge.models.spec import spec_of
 from forge.parallel.applied import Applied
 from forge.planning.flags import PLAN_OPTIONS
@@ -202,7 +202,7 @@ def rank_memory(cfg: DictConfig, degrees: Degrees, args, held: RankParts, pp_ran
         train.seq_len,
         pipeline_in_flight(degrees.pp, parallel.pp_schedule, chunks, pp_rank, stages),
         2 if compute_dtype(cfg) == "bf16" else 4,
-        deferred_sync=parallel.get("defer_grad_sync") is True,
+        deferred_sync=defers_grad_sync(parallel, degrees),
         dense_masks=uses_dense_masks(cfg),
         local_experts=held.local_experts,
         grads_at_peak=grads_at_peak(

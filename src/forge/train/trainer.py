@@ -12,7 +12,7 @@ from forge.checkpoint import Checkpointer, CheckpointError, RunState
 from forge.checkpoint.hf_save import save_run_hf
 from forge.checkpoint.run_lock import hold_run_dir
 from forge.config import validate
-from forge.config.degrees import Degrees
+from forge.config.degrees import Degrees, defers_grad_sync
 from forge.metrics.logger import format_duration
 from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter
 from forge.models.common.moe import moe_layers, moe_metrics, update_router_biases
@@ -113,8 +113,7 @@ class Trainer:
         self.eval_micro_batches = (
             train.eval_batches * train.global_batch_size // (train.micro_batch_size * self.dp_size)
         )
-        defer = cfg.parallel.get("defer_grad_sync")
-        self.defer_grad_sync = self.degrees.fsdp_shard == 1 if defer is None else defer  # sharded: reduce each time
+        self.defer_grad_sync = defers_grad_sync(cfg.parallel, self.degrees)
         # a pipeline's step keeps its casts for the schedule's chunks (one autocast scope around the schedule)
         self.holds_weight_casts = self.degrees.pp == 1 and holds_weight_casts(
             self.dtype, self.grad_accum, self.degrees.fsdp_shard > 1, cfg.parallel.activation_checkpoint != "none"

@@ -6,7 +6,7 @@ A layout here is only a candidate: forge.config.validate (the same checks as a r
 
 from collections.abc import Iterator
 
-from forge.config.schema import V_SHAPED, ZERO_BUBBLE, ActivationCheckpoint, PPSchedule
+from forge.config.schema import V_SHAPED, ActivationCheckpoint, PPSchedule
 from forge.models.spec import spec_of
 from forge.parallel.pipeline import stages_per_rank
 from forge.planning.search.cost import Layout
@@ -69,8 +69,6 @@ def _with_schedules(args, dp_replicate, dp_shard, tp, pp, ep, micro, cp=1) -> It
         for schedule in (s.value for s in PPSchedule):
             if args.n_layers < pp * stages_per_rank(schedule):
                 continue
-            if schedule in ZERO_BUBBLE and dp_replicate * dp_shard * cp > 1:
-                continue  # forge.config.validate refuses them with data or context parallelism
             if schedule in V_SHAPED and getattr(args, "tie_embeddings", False):
                 continue
             for chunks in (pp, 2 * pp, 4 * pp):
