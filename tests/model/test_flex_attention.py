@@ -134,14 +134,13 @@ def test_flex_training_follows_sdpa_training(tmp_path):
         (["model.attention=dense"], "model.attention='dense'"),
         (["model.sliding_window=0"], "model.sliding_window=0"),
         (["model.sliding_window=[64,0]"], "model.sliding_window=[64, 0]"),
-        (["model.attention=flex", "parallel=pp2"], "model.attention=flex with parallel.pp=2"),
         (["model.attention=flex", "parallel.compile=true", "train.device=cpu"], "parallel.compile=true"),
         (["vlm=joint_decoder", "data=vqa_embedded", "model.sliding_window=64"], "model.sliding_window"),
     ],
 )
 def test_validation_refuses_in_one_line_naming_the_keys(overrides, keys):
     with pytest.raises(ConfigError) as err:
-        validate(compose(overrides), world_size=2 if "parallel=pp2" in overrides else 1)
+        validate(compose(overrides), world_size=1)
     assert keys in str(err.value) and "\n" not in str(err.value)
 
 

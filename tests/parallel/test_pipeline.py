@@ -211,16 +211,29 @@ def test_packed_documents_through_the_stages_match_one_process(tmp_path):
     splits them with the batch), and the chunks' losses are token sums over the step's count (each EOS label is
     ignored, so chunks count different tokens): pp2 (2 chunks, 2 micro-batches), pp2 x FSDP 2 and cp2 x pp2 (each
     stage's mask places the rank's positions in the whole sequences) match one process, which a mean of chunk
-    means would not."""
+    means would not. Under flex attention each stage builds its chunk's BlockMask (pp2, and cp2 x pp2 with the
+    rank's positions)."""
     docs = document_data(tmp_path / "lines.jsonl")
-    one = launch(run_pipeline_scenarios, 1, {"single": ["parallel=single", *docs]}, str(tmp_path / "one"))[0]
-    two = {"pp2_docs": ["parallel=pp2", "train.micro_batch_size=4", "parallel.microbatches=2", *docs]}
-    four = {"pp2_fsdp_docs": ["parallel=pp2_fsdp", "train.micro_batch_size=2", "parallel.microbatches=2", *docs]}
-    assert_same_curves(launch(run_pipeline_scenarios, 2, two, str(tmp_path / "pp2"))[0]["pp2_docs"], one["single"])
-    four["cp2_pp2_docs"] = ["parallel.cp=2", "parallel.pp=2", "parallel.dp_shard=1", "train.micro_batch_size=8", *docs]
+    flex = "model.attention=flex"
+    one = {"single": ["parallel=single", *docs], "single_flex": ["parallel=single", flex, *docs]}
+    one = launch(run_pipeline_scenarios, 1, one, str(tmp_path / "one"))[0]
+    two = {
+        "pp2_docs": ["parallel=pp2", "train.micro_batch_size=4", "parallel.microbatches=2", *docs],
+        "pp2_flex_docs": ["parallel=pp2", "train.micro_batch_size=4", "parallel.microbatches=2", flex, *docs],
+    }
+    got = launch(run_pipeline_scenarios, 2, two, str(tmp_path / "pp2"))[0]
+    assert_same_curves(got["pp2_docs"], one["single"])
+    assert_same_curves(got["pp2_flex_docs"], one["single_flex"])
+    cp2_pp2 = ["parallel.cp=2", "parallel.pp=2", "parallel.dp_shard=1", "train.micro_batch_size=8", *docs]
+    four = {
+        "pp2_fsdp_docs": ["parallel=pp2_fsdp", "train.micro_batch_size=2", "parallel.microbatches=2", *docs],
+        "cp2_pp2_docs": cp2_pp2,
+        "cp2_pp2_flex_docs": [*cp2_pp2, flex],
+    }
     runs = launch(run_pipeline_scenarios, 4, four, str(tmp_path / "pp2_fsdp"))
     assert_same_curves(runs[0]["pp2_fsdp_docs"], one["single"])
     assert_same_curves(runs[0]["cp2_pp2_docs"], one["single"])
+    assert_same_curves(runs[0]["cp2_pp2_flex_docs"], one["single_flex"])
 
 
 MOE = ["model=moe_tiny", "model.moe.aux_loss_coef=0.5"]  # a router loss large enough to move the curves

@@ -435,11 +435,6 @@ def validate_attention(cfg: DictConfig, degrees: Degrees) -> None:
     )
     flex, windowed = model.get("attention") == "flex", any(w is not None for w in pattern)
     if flex:
-        require(
-            degrees.pp == 1,
-            f"model.attention=flex with parallel.pp={degrees.pp} is not supported: pipeline stages are not built "
-            "with BlockMasks; use model.attention=sdpa or parallel.pp=1",
-        )
         cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not cuda_available())
         require(
             not (cpu and cfg.parallel.compile),
