@@ -138,7 +138,6 @@ def test_a_part_of_the_sequence_gets_its_rows_of_the_whole_mask():
 
 REFUSED = {  # overrides on 4 ranks -> what the one line names
     "seq": (["parallel=cp2", "train.seq_len=30"], "train.seq_len=30 is not divisible by 2 x parallel.cp=2"),
-    "compile": (["parallel=cp2", "parallel.compile=true"], "parallel.cp=2 with parallel.compile=true"),
     "capacity": (
         ["parallel=cp2", "model=moe_tiny", "model.moe.capacity_factor=1.0"],
         "parallel.cp=2 with model.moe.capacity_factor > 0",

@@ -101,6 +101,7 @@ def test_four_rank_layout_matches_one_process(layout, four_rank_curves, referenc
 COMPILED = {  # name -> (parallel layout, compile scope, what the log says was compiled)
     "single": ("single", "blocks", "torch.compile of 2 blocks"),
     "fsdp": ("fsdp", "blocks", "torch.compile of 2 blocks"),
+    "cp2": ("cp2", "blocks", "torch.compile of 2 blocks"),  # the keys' and values' gather inside the graph
     "single_whole_model": ("single", "model", "torch.compile of the whole forward (2 blocks) as one graph"),
 }
 
@@ -108,9 +109,9 @@ COMPILED = {  # name -> (parallel layout, compile scope, what the log says was c
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_compiled_runs_match_one_process(name, tmp_path, reference):
-    """forge-train (one process) and torchrun (2 FSDP ranks) with parallel.compile=true, by blocks and (one
-    process) as one graph, in processes of their own: inductor's compile workers do not survive a fork, so the
-    forked launch of the other tests cannot run it."""
+    """forge-train (one process) and torchrun (2 FSDP ranks, 2 context-parallel ranks) with parallel.compile=true,
+    by blocks and (one process) as one graph, in processes of their own: inductor's compile workers do not survive
+    a fork, so the forked launch of the other tests cannot run it."""
     layout, scope, compiled = COMPILED[name]
     args = [*TINY, f"parallel={layout}", "parallel.compile=true", f"parallel.compile_scope={scope}"]
     args.append(f"hydra.run.dir={tmp_path}")

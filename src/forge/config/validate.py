@@ -400,7 +400,6 @@ def validate_context_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         "model.moe.capacity_factor > 0 (each cp rank would drop from its own part of the sequences)": (
             cfg.model.get("moe") is not None and cfg.model.moe.capacity_factor > 0
         ),
-        "parallel.compile=true": bool(cfg.parallel.compile),
     }
     _refuse_each(
         refused,
