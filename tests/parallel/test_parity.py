@@ -102,6 +102,7 @@ COMPILED = {  # name -> (parallel layout, compile scope, what the log says was c
     "single": ("single", "blocks", "torch.compile of 2 blocks"),
     "fsdp": ("fsdp", "blocks", "torch.compile of 2 blocks"),
     "cp2": ("cp2", "blocks", "torch.compile of 2 blocks"),  # the keys' and values' gather inside the graph
+    "pp2": ("pp2", "blocks", "torch.compile of 1 block"),  # each stage's block (rank 0's log)
     "single_whole_model": ("single", "model", "torch.compile of the whole forward (2 blocks) as one graph"),
 }
 
@@ -109,7 +110,7 @@ COMPILED = {  # name -> (parallel layout, compile scope, what the log says was c
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_compiled_runs_match_one_process(name, tmp_path, reference):
-    """forge-train (one process) and torchrun (2 FSDP ranks, 2 context-parallel ranks) with parallel.compile=true,
+    """forge-train (one process) and torchrun (2 FSDP, context-parallel or pipeline ranks) with parallel.compile=true,
     by blocks and (one process) as one graph, in processes of their own: inductor's compile workers do not survive
     a fork, so the forked launch of the other tests cannot run it."""
     layout, scope, compiled = COMPILED[name]

@@ -261,7 +261,7 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False, scope: str = Comp
     else:
         for key, block in model.layers.items():
             model.layers[key] = torch.compile(block, mode=mode)
-        what = f"torch.compile of {len(model.layers)} blocks"
+        what = f"torch.compile of {len(model.layers)} block{'s' if len(model.layers) != 1 else ''}"
     if cuda_graphs:
         model.register_forward_pre_hook(_begin_graph_step)
     how = ", replayed as CUDA graphs" if cuda_graphs else ""
