@@ -137,7 +137,7 @@ CASES = [
     (
         ["parallel=pp2_fsdp", "parallel.pp_schedule=zbv", "model.n_layers=4", "parallel.defer_grad_sync=false"],
         4,
-        ["parallel.pp_schedule=zbv with parallel.defer_grad_sync=false under FSDP (dp_shard x cp = 2)"],
+        ["parallel.pp_schedule=zbv with parallel.defer_grad_sync=false under FSDP or DDP", "x dp_shard x cp = 2)"],
     ),
     (
         ["parallel=pp2", "parallel.pp_schedule=interleaved_zb", "model.n_layers=4", "parallel.compile=true"],

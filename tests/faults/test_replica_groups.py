@@ -62,17 +62,19 @@ def hold_until_restarted(pid: int, group0: Path, group1: Path, killed_at: int, l
     quorum, then let it go on: alone, group 0 would otherwise finish its steps before a loaded machine has restarted
     group 1, which would then find no live group to take the state of."""
     deadline = time.monotonic() + 120
-    while launcher.poll() is None and time.monotonic() < deadline:
+    alone = []
+    while launcher.poll() is None and time.monotonic() < deadline and len(alone) < 3:
         alone = [r for r in records(group0) if r["step"] > killed_at and r["replica_groups"] == 1]
-        if len(alone) >= 3:
-            break
         time.sleep(0.01)
+    if len(alone) < 3:
+        return  # group 1 is back already (or the run ended): the assertions tell which
     try:
-        os.kill(pid, signal.SIGSTOP)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
         while launcher.poll() is None and time.monotonic() < deadline + 120:
             log = (group1 / "forge.log").read_text()
             restarted = log.split(" parameters | ")[2:]  # what the second attempt logged after its model was built
-            if restarted and "groups in its first quorum; waiting" in restarted[-1]:
+            if restarted and any(s in restarted[-1] for s in ("first quorum; waiting", "took a live group's state")):
                 break
             time.sleep(0.05)
     finally:

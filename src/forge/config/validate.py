@@ -226,11 +226,11 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
         schedule = str(parallel.pp_schedule)
         if schedule in ZERO_BUBBLE:
             require(
-                degrees.fsdp_shard == 1 or parallel.get("defer_grad_sync") is not False,
-                f"parallel.pp_schedule={schedule} with parallel.defer_grad_sync=false under FSDP (dp_shard x cp = "
-                f"{degrees.fsdp_shard}) is not supported: the schedule computes a chunk's weight gradients after its "
-                "input gradients, so the stage's gradients are reduced once, when the step ends; leave "
-                "parallel.defer_grad_sync unset",
+                degrees.dp_replicate * degrees.fsdp_shard == 1 or parallel.get("defer_grad_sync") is not False,
+                f"parallel.pp_schedule={schedule} with parallel.defer_grad_sync=false under FSDP or DDP (dp_replicate "
+                f"x dp_shard x cp = {degrees.dp_replicate * degrees.fsdp_shard}) is not supported: the schedule "
+                "computes a chunk's weight gradients after its input gradients, so the stage's gradients are reduced "
+                "once, when the step ends; leave parallel.defer_grad_sync unset",
             )
             require(
                 not parallel.compile,

@@ -106,7 +106,7 @@ class Stage(PipelineStage):
 
 class ReducingStage(Stage):
     """A stage whose FSDP gradients are reduce-scattered after each chunk's backward, as FSDP does outside a
-    pipeline (parallel.defer_grad_sync=false, the default when dp_shard > 1).
+    pipeline (parallel.defer_grad_sync=false, the default when dp_shard x cp > 1 outside the zero-bubble schedules).
 
     torch's PipelineStage turns gradient sync and resharding off for every chunk and reduces once when the
     schedule's step ends, so the stage's unsharded parameters and unsharded fp32 gradients stay alive until then:

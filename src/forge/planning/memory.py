@@ -42,10 +42,11 @@ Peak memory per rank (bytes), with P the parameters this rank holds (its shards 
     keys and values (+ 2 kv (cp - 1) per token). Under a dense mask (context parallelism, or document masking or
     a sliding window with SDPA) the boolean micro_batch_size x seq_len / cp x seq_len mask lives through the forward
     and each block's SDPA keeps a copy in the compute dtype (only the recomputed block's under full checkpointing).
-    With parallel.defer_grad_sync=true under FSDP (dp_shard x cp > 1) the gradients accumulate unsharded until the
-    last micro-batch: grads 4P x dp_shard x cp (a rank's routed experts 4P x dp_shard / ep x cp under expert
-    parallelism: their FSDP group); in a pipeline torch's stage then also keeps the stage's parameters
-    unsharded through the step, in place of the 2 gathered blocks.
+    With deferred gradient sync under FSDP (parallel.defer_grad_sync=true, or null under a zero-bubble pipeline
+    schedule: forge.config.degrees.defers_grad_sync) the gradients accumulate unsharded until the last micro-batch:
+    grads 4P x dp_shard x cp (a rank's routed experts 4P x dp_shard / ep x cp under expert parallelism: their FSDP
+    group); in a pipeline torch's stage then also keeps the stage's parameters gathered through the step, in place
+    of the 2 gathered blocks (over replicas too, FSDP2's copies of them).
 """
 
 from dataclasses import dataclass
@@ -190,11 +191,11 @@ def estimate_memory(
         # autocast's casts, which the backward keeps, under tp or pp alone); in fp32 with the weights themselves
         gather = local_params * act_bytes if act_bytes < 4 else 0
     grads = 4 * local_params
-    if deferred_sync and shard > 1:
+    if deferred_sync and fsdp:
         expert_shard = degrees.expert_shard if degrees.ep > 1 else shard
         unsharded = (local_params - local_experts) * shard + local_experts * expert_shard
         grads = 4 * unsharded
-        if degrees.pp > 1:
+        if degrees.pp > 1:  # torch's stage keeps every block it gathered (over replicas too: FSDP2 copies them)
             gather = unsharded * act_bytes
     return MemoryEstimate(4 * local_params, grads, 8 * local_params, gather, full, ckpt, grads_at_peak)
 

@@ -45,6 +45,7 @@ dp_shard). Peak memory per rank is forge.planning.memory.estimate_memory's, the 
 from dataclasses import dataclass
 
 from forge.config.degrees import Degrees
+from forge.config.schema import ZERO_BUBBLE
 from forge.models.spec import spec_of
 from forge.parallel.pipeline import V_SHAPED, rank_stages, stage_layers, stages_per_rank
 from forge.planning.flops import count_flops_per_token
@@ -206,6 +207,9 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
     chunks = layout.microbatches if layout.pp > 1 else 1  # FSDP reduces after each pipeline chunk's backward
     micro_tokens = layout.micro_batch_size * seq / layout.cp
     shard = layout.dp_shard * layout.cp  # FSDP's group: context-parallel ranks hold the same parameters
+    # the zero-bubble schedules keep each stage gathered through a schedule step and reduce it once at its end (the
+    # search writes no parallel.defer_grad_sync: its default, forge.config.degrees.defers_grad_sync)
+    deferred = layout.pp > 1 and layout.pp_schedule in ZERO_BUBBLE
 
     per_rank = stages_per_rank(layout.pp_schedule)
     head_alive = head_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
@@ -221,7 +225,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
         root = (params - sum(shape.block_params[b] for b in blocks)) / layout.tp  # FSDP's root unit, kept gathered
         in_flight = pipeline_in_flight(layout.pp, layout.pp_schedule, layout.microbatches, pp_rank, per_rank)
         mem = estimate_memory(args, degrees, local, len(blocks), last, layout.micro_batch_size, seq, in_flight,
-                              act_bytes, dense_masks=dense_masks,
+                              act_bytes, deferred_sync=deferred, dense_masks=dense_masks,
                               grads_at_peak=grads_at_peak(n_micro, layout.pp, layout.pp_schedule, chunks, pp_rank,
                                                           per_rank),
                               chunks=chunks, root_params=root, head_share=head_alive)  # fmt: skip
@@ -242,14 +246,20 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             experts = sum(shape.expert_params[b] for b in blocks)
             dense_blocks = sum(shape.block_params[b] for b in blocks) - experts
             root = params - dense_blocks - experts  # embedding, norm, head: not resharded after forward
-            # Blocks: forward, and again in backward, per pipeline chunk (each chunk's backward reduce-scatters and
-            # reshards, forge.parallel.pipeline.ReducingStage); the root once, then again after each chunk's
-            # backward but the last.
-            gathers = _shard_traffic(layout, 2 * chunks * dense_blocks + chunks * root, 2 * chunks * experts)
+            if deferred:  # the stage gathered once per schedule step, reduced once at its end
+                gathers = _shard_traffic(layout, dense_blocks + root, experts)
+                reduces, collectives = gathers, n_micro * 2 * len(blocks)
+            else:
+                # Blocks: forward, and again in backward, per pipeline chunk (each chunk's backward reduce-scatters
+                # and reshards, forge.parallel.pipeline.ReducingStage); the root once, then again after each
+                # chunk's backward but the last.
+                gathers = _shard_traffic(layout, 2 * chunks * dense_blocks + chunks * root, 2 * chunks * experts)
+                reduces = chunks * _shard_traffic(layout, dense_blocks + root, experts)
+                collectives = n_micro * chunks * 3 * len(blocks)
             moved["fsdp_all_gather"] = n_micro * gathers * act_bytes
-            moved["fsdp_reduce_scatter"] = n_micro * chunks * _shard_traffic(layout, dense_blocks + root, experts) * 4
+            moved["fsdp_reduce_scatter"] = n_micro * reduces * 4
             nbytes = moved["fsdp_all_gather"] + moved["fsdp_reduce_scatter"]
-            seconds, lat = links.seconds("dp_shard", nbytes, n_micro * chunks * 3 * len(blocks))
+            seconds, lat = links.seconds("dp_shard", nbytes, collectives)
             hidden += seconds
             latency += lat
             t["exposed_dp"] += seconds / max(3 * len(blocks), 1)  # each micro-batch's first gather
@@ -300,8 +310,9 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             t["ep"] = seconds
             latency += lat
         if layout.pp > 1:
-            # activations forward from every stage but the last, their gradients back from every one but the first
-            boundaries = sum((s != n_stages - 1) + (s != 0) for s in mine)
+            # activations forward to the next stage, their gradients back to the one before, where another rank
+            # holds it (a V's two stages of one rank hand over in place)
+            boundaries = sum((s + 1 < n_stages and s + 1 not in mine) + (s > 0 and s - 1 not in mine) for s in mine)
             # under tp a stage sends its sequence-sharded part of the activations: 1/tp of them
             moved["pp"] = boundaries * tokens_rank * args.dim * act_bytes / layout.tp
             seconds, lat = links.seconds("pp", moved["pp"], boundaries * n_micro * layout.microbatches)
