@@ -56,6 +56,7 @@ def test_the_winner_passes_validation_as_the_overrides_it_prints():
         ("llama3_8b", 16, Layout(1, 2, 2, 1, 1, "full", 1, cp=4)),  # context parallel x TP x FSDP
         ("llama3_8b", 16, Layout(1, 2, 2, 4, 1, "none", 8, "zbv", 8)),  # zero-bubble: the stage gathered, grads whole
         ("llama3_1b", 8, Layout(2, 1, 1, 4, 1, "none", 8, "interleaved_zb", 8)),  # over replicas: FSDP2's copies
+        ("llama3_1b", 8, Layout(2, 1, 1, 4, 1, "none", 8, "1f1b", 8)),  # DDP's stage kept gathered from its backward
     ],
 )
 def test_memory_is_the_plans_estimate(model, world, layout):

@@ -49,17 +49,16 @@ class Degrees:
         return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
 
-def defers_grad_sync(parallel, degrees: Degrees) -> bool:
+def defers_grad_sync(degrees: Degrees, pp_schedule: str, explicit: bool | None = None) -> bool:
     """Whether gradients are reduced once per step rather than after each micro-batch (or pipeline chunk):
-    parallel.defer_grad_sync, or when null, where the parameters are not sharded (DDP), and under a zero-bubble
-    pipeline schedule, whose weight gradients come after the input ones (FSDP reduces the stage when the schedule's
-    step ends, with its parameters kept unsharded through the step)."""
+    `explicit` (parallel.defer_grad_sync), or when None, where the parameters are not sharded (DDP), and under a
+    zero-bubble pipeline schedule, whose weight gradients come after the input ones (FSDP reduces the stage when
+    the schedule's step ends, with its parameters kept unsharded through the step)."""
     from forge.config.schema import ZERO_BUBBLE
 
-    explicit = parallel.get("defer_grad_sync")
     if explicit is not None:
         return bool(explicit)
-    return degrees.fsdp_shard == 1 or (degrees.pp > 1 and str(parallel.pp_schedule) in ZERO_BUBBLE)
+    return degrees.fsdp_shard == 1 or (degrees.pp > 1 and str(pp_schedule) in ZERO_BUBBLE)
 
 
 def resolve_degrees(parallel, world_size: int) -> Degrees:

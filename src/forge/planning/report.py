@@ -202,7 +202,7 @@ def rank_memory(cfg: DictConfig, degrees: Degrees, args, held: RankParts, pp_ran
         train.seq_len,
         pipeline_in_flight(degrees.pp, parallel.pp_schedule, chunks, pp_rank, stages),
         2 if compute_dtype(cfg) == "bf16" else 4,
-        deferred_sync=defers_grad_sync(parallel, degrees),
+        deferred_sync=defers_grad_sync(degrees, parallel.pp_schedule, parallel.get("defer_grad_sync")),
         dense_masks=uses_dense_masks(cfg),
         local_experts=held.local_experts,
         grads_at_peak=grads_at_peak(

@@ -113,7 +113,9 @@ class Trainer:
         self.eval_micro_batches = (
             train.eval_batches * train.global_batch_size // (train.micro_batch_size * self.dp_size)
         )
-        self.defer_grad_sync = defers_grad_sync(cfg.parallel, self.degrees)
+        self.defer_grad_sync = defers_grad_sync(
+            self.degrees, cfg.parallel.pp_schedule, cfg.parallel.get("defer_grad_sync")
+        )
         # a pipeline's step keeps its casts for the schedule's chunks (one autocast scope around the schedule)
         self.holds_weight_casts = self.degrees.pp == 1 and holds_weight_casts(
             self.dtype, self.grad_accum, self.degrees.fsdp_shard > 1, cfg.parallel.activation_checkpoint != "none"

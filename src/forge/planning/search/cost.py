@@ -44,8 +44,7 @@ dp_shard). Peak memory per rank is forge.planning.memory.estimate_memory's, the 
 
 from dataclasses import dataclass
 
-from forge.config.degrees import Degrees
-from forge.config.schema import ZERO_BUBBLE
+from forge.config.degrees import Degrees, defers_grad_sync
 from forge.models.spec import spec_of
 from forge.parallel.pipeline import V_SHAPED, rank_stages, stage_layers, stages_per_rank
 from forge.planning.flops import count_flops_per_token
@@ -207,9 +206,9 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
     chunks = layout.microbatches if layout.pp > 1 else 1  # FSDP reduces after each pipeline chunk's backward
     micro_tokens = layout.micro_batch_size * seq / layout.cp
     shard = layout.dp_shard * layout.cp  # FSDP's group: context-parallel ranks hold the same parameters
-    # the zero-bubble schedules keep each stage gathered through a schedule step and reduce it once at its end (the
-    # search writes no parallel.defer_grad_sync: its default, forge.config.degrees.defers_grad_sync)
-    deferred = layout.pp > 1 and layout.pp_schedule in ZERO_BUBBLE
+    # the search writes no parallel.defer_grad_sync: its default (DDP, and the zero-bubble schedules, which keep each
+    # stage gathered through a schedule step and reduce it once at its end)
+    deferred = defers_grad_sync(degrees, layout.pp_schedule)
 
     per_rank = stages_per_rank(layout.pp_schedule)
     head_alive = head_in_flight(layout.pp, layout.pp_schedule, layout.microbatches)
