@@ -1,6 +1,7 @@
 """The support matrix (forge.config.support): docs/reference/support.md is current, every refused cell is one line,
 and every supported cell of 1 or 2 ranks trains two steps on real gloo ranks and matches one process: the same
-model and features with the layout taken away and the cell's micro-batch (the larger worlds' cells: ELSEWHERE).
+model and features with the layout taken away and the cell's micro-batch. The cells of 4 and 8 ranks each run in a
+process group of their own: one trainer per process group, as in a real run.
 """
 
 import math
@@ -39,14 +40,16 @@ SAME_ARITHMETIC = {
 document masking change what is computed: in one process they are their own reference and only must train.)"""
 
 
-ROUTES_OTHER_TOKENS = {"cp": ["model.moe.balanced_selection=false"]}
-"""MoE cells whose ranks route other token sets than one process's micro-batches: each cp rank routes half of every
-sequence, and the presets' balanced selection is solved on the tokens a layer routes. The cell and its twin turn
-it off (as tests/parallel/test_moe_layouts.py does); the sign-balanced routing then matches one process."""
+SWITCH_OFF_BALANCED_SELECTION = ["model.moe.balanced_selection=false"]
+"""For MoE cells with context parallelism, in the cell and its twin: each cp rank routes half of every sequence, and
+the presets' balanced selection is solved on the tokens a layer routes, so it picks other experts than one process
+(tests/parallel/test_moe_layouts.py turns it off too); the sign-balanced routing then matches one process."""
 
 
 def cell_runs(feature: str, kind: str) -> list[str]:
-    return cell_overrides(feature, kind) + (ROUTES_OTHER_TOKENS.get(feature, []) if kind == "MoE" else [])
+    overrides = cell_overrides(feature, kind)
+    with_cp = any(o in ("parallel=cp2", "parallel=cp2_fsdp", "parallel.cp=2") for o in overrides)
+    return overrides + (SWITCH_OFF_BALANCED_SELECTION if kind == "MoE" and with_cp else [])
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +115,7 @@ def one_process(matrix, tmp_path_factory) -> dict[tuple[str, ...], dict[str, lis
     """Every one-process run the tests compare with, each once: the world-1 cells and the cells' twins."""
     runs = [overrides for overrides in supported_cells(matrix, 1).values()]
     for (feature, kind), state in matrix.items():
-        if state is None and FEATURES[feature].world in (1, 2) and (twin := one_process_twin(feature, kind)):
+        if state is None and (twin := one_process_twin(feature, kind)):
             runs.append(twin[0])
     unique = {"|".join(overrides): overrides for overrides in runs}
     curves = launch(train_runs, 1, unique, str(tmp_path_factory.mktemp("one")), timeout=900)[0]
@@ -146,14 +149,10 @@ def test_refusals_are_one_line_and_some_cells_of_each_kind_are_supported(matrix)
         assert matrix[cell] is None, cell
 
 
-ELSEWHERE = {
-    4: "HSDP in tests/parallel/test_parity.py, pp2 x ep2 and zbv x FSDP in test_pipeline.py, tp2 x ep2 and cp2 x ep2 "
-    "in test_moe_layouts.py, each against one process",
-    8: "tests/parallel/test_pipeline.py's tp2 x pp2 x FSDP 2 and tp2 x cp2 x pp2, against one process",
-}
-"""Worlds whose cells run in other tests. (Several trainers of those layouts one after another in one forked
-process group once failed in the suite to resolve a process group of an earlier mesh; one trainer per process,
-as in a real run, does not.)"""
+ONE_GROUP_PER_CELL_FROM = 4
+"""Worlds from which each cell gets a process group of its own. (Several trainers of those layouts one after another
+in one forked process group once failed in the suite to resolve a process group of an earlier mesh; one trainer per
+process group, as in a real run, does not.)"""
 
 
 @pytest.mark.dist
@@ -165,12 +164,16 @@ def test_every_one_process_cell_trains_and_matches_the_run_without_its_feature(m
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", sorted({feature.world for feature in FEATURES.values()} - set(ELSEWHERE) - {1}))
+@pytest.mark.parametrize("world", sorted({feature.world for feature in FEATURES.values()} - {1}))
 def test_every_supported_cell_matches_one_process(matrix, world, one_process, tmp_path):
-    """All supported cells of one world size in one process group, one after another, each against its
-    one-process twin."""
+    """All supported cells of one world size, each against its one-process twin."""
     cells = supported_cells(matrix, world)
-    runs = launch(train_runs, world, cells, str(tmp_path), timeout=900)[0]
+    if world < ONE_GROUP_PER_CELL_FROM:
+        runs = launch(train_runs, world, cells, str(tmp_path), timeout=900)[0]
+    else:
+        runs = {}
+        for i, (cell, overrides) in enumerate(cells.items()):
+            runs |= launch(train_runs, world, {cell: overrides}, str(tmp_path / str(i)), timeout=600)[0]
     assert sorted(runs) == sorted(cells)
     for cell, run in runs.items():
         assert_trains_like_its_twin(cell, run, one_process)
