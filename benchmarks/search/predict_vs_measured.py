@@ -34,25 +34,31 @@ from forge.planning.search.devices import GIB, device_from_profile  # noqa: E402
 from forge.planning.search.settings import SearchSettings  # noqa: E402
 from forge.train import build  # noqa: E402
 
+GLOBAL_BATCH = 16
 MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.ffn_dim=768", "train.seq_len=128"]
-RUN = ["train.global_batch_size=16", "train.dtype=fp32", "train.log_every=1", "train.eval_every=0",
+RUN = [f"train.global_batch_size={GLOBAL_BATCH}", "train.dtype=fp32", "train.log_every=1", "train.eval_every=0",
        "train.eval_batches=1", "metrics.console=quiet", "checkpoint.interval=0", "train.threads=1"]  # fmt: skip
 
 
 def layouts(ranks: int) -> dict[str, Layout]:
-    half = ranks // 2
+    """The layouts of `ranks` ranks, each with the whole global batch in one micro-batch per data-parallel rank."""
+    half, quarter = ranks // 2, ranks // 4
+
+    def micro(dp: int) -> int:
+        return GLOBAL_BATCH // dp
+
     rows = {
-        "fsdp": Layout(1, ranks, 1, 1, 1, "none", 4),
-        "fsdp_full_ac": Layout(1, ranks, 1, 1, 1, "full", 4),
-        "hsdp": Layout(2, half, 1, 1, 1, "none", 4),
-        "ddp": Layout(ranks, 1, 1, 1, 1, "none", 4),
-        "tp2_fsdp": Layout(1, half, 2, 1, 1, "none", 8),
-        "tp2_fsdp_full_ac": Layout(1, half, 2, 1, 1, "full", 8),
-        f"tp{ranks}": Layout(1, 1, ranks, 1, 1, "none", 16),
-        "pp2_1f1b": Layout(1, half, 1, 2, 1, "none", 8, "1f1b", 4),
-        "pp2_gpipe": Layout(1, half, 1, 2, 1, "none", 8, "gpipe", 4),
-        "pp2_interleaved": Layout(1, half, 1, 2, 1, "none", 8, "interleaved_1f1b", 4),
-        "tp2_pp2": Layout(1, ranks // 4, 2, 2, 1, "none", 16 // (ranks // 4), "1f1b", 4),  # x FSDP from 8 ranks
+        "fsdp": Layout(1, ranks, 1, 1, 1, "none", micro(ranks)),
+        "fsdp_full_ac": Layout(1, ranks, 1, 1, 1, "full", micro(ranks)),
+        "hsdp": Layout(2, half, 1, 1, 1, "none", micro(ranks)),
+        "ddp": Layout(ranks, 1, 1, 1, 1, "none", micro(ranks)),
+        "tp2_fsdp": Layout(1, half, 2, 1, 1, "none", micro(half)),
+        "tp2_fsdp_full_ac": Layout(1, half, 2, 1, 1, "full", micro(half)),
+        "tp4" if ranks == 4 else f"tp4_fsdp{quarter}": Layout(1, quarter, 4, 1, 1, "none", micro(quarter)),
+        "pp2_1f1b": Layout(1, half, 1, 2, 1, "none", micro(half), "1f1b", 4),
+        "pp2_gpipe": Layout(1, half, 1, 2, 1, "none", micro(half), "gpipe", 4),
+        "pp2_interleaved": Layout(1, half, 1, 2, 1, "none", micro(half), "interleaved_1f1b", 4),
+        "tp2_pp2": Layout(1, quarter, 2, 2, 1, "none", micro(quarter), "1f1b", 4),  # x FSDP from 8 ranks: 3-D
     }
     return rows
 

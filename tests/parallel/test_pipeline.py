@@ -91,6 +91,13 @@ TP_STAGES = {
     "tp2_pp2_interleaved": [*TP2_PP2, "parallel.pp_schedule=interleaved_1f1b", *FOUR_LAYERS],
     "tp2_pp2_tied": [*TP2_PP2, "model.tie_embeddings=true"],
     "tp2_pp2_zbv": [*TP2_PP2, "parallel.pp_schedule=zbv", *FOUR_LAYERS],
+    "tp2_pp2_interleaved_zb": [
+        *TP2_PP2,
+        "parallel.pp_schedule=interleaved_zb",
+        "parallel.microbatches=4",
+        *FOUR_LAYERS,
+    ],
+    "tp2_pp2_dualpipev": [*TP2_PP2, "parallel.pp_schedule=dualpipev", "parallel.microbatches=4", *FOUR_LAYERS],
 }
 REFERENCE_OF = {
     "pp2_uneven": "single_3l",
@@ -101,6 +108,8 @@ REFERENCE_OF = {
     "pp2_dualpipev": "single_4l",
     "tp2_pp2_interleaved": "single_4l",
     "tp2_pp2_zbv": "single_4l",
+    "tp2_pp2_interleaved_zb": "single_4l",
+    "tp2_pp2_dualpipev": "single_4l",
     "tp2_pp2_tied": "single_tied",
     "pp2_fsdp_zbv": "single_4l",
     "pp2_ddp_interleaved_zb": "single_4l",
