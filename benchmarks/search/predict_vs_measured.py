@@ -34,7 +34,7 @@ from forge.planning.search.devices import GIB, device_from_profile  # noqa: E402
 from forge.planning.search.settings import SearchSettings  # noqa: E402
 from forge.train import build  # noqa: E402
 
-GLOBAL_BATCH = 16
+GLOBAL_BATCH = 16  # samples per step, whatever the layout; --ranks divides it (4 or 8)
 MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.ffn_dim=768", "train.seq_len=128"]
 RUN = [f"train.global_batch_size={GLOBAL_BATCH}", "train.dtype=fp32", "train.log_every=1", "train.eval_every=0",
        "train.eval_batches=1", "metrics.console=quiet", "checkpoint.interval=0", "train.threads=1"]  # fmt: skip
@@ -45,6 +45,7 @@ def layouts(ranks: int) -> dict[str, Layout]:
     half, quarter = ranks // 2, ranks // 4
 
     def micro(dp: int) -> int:
+        assert GLOBAL_BATCH % dp == 0, f"--ranks {ranks}: {dp} data-parallel ranks do not divide {GLOBAL_BATCH} samples"
         return GLOBAL_BATCH // dp
 
     rows = {

@@ -1,9 +1,13 @@
 """The support matrix (forge.config.support): docs/reference/support.md is current, every refused cell is one line,
-and every supported cell of 1 or 2 ranks trains two steps on real gloo ranks and matches one process: the same
-model and features with the layout taken away and the cell's micro-batch. The cells of 4 and 8 ranks each run in a
-process group of their own: one trainer per process group, as in a real run.
+and every supported cell trains two steps on its smallest world (1 to 8 forked gloo ranks) with the transforms it
+names applied. A cell of several ranks matches one process: the same model and features without the layout, at the
+cell's batch per forward. Checkpointing, compile and flex attention in one process match the run without them; fp8
+and document masking in one process change what is computed and only must train. The cells of 4 and 8 ranks each
+run in a process group of their own: one trainer per process group, as in a real run.
 """
 
+import functools
+import logging
 import math
 from pathlib import Path
 
@@ -13,6 +17,7 @@ from forge.config.support import FEATURES, KINDS, SMALL, cell_overrides, page_pa
 from tests.parallel.harness import launch
 
 TWO_STEPS = ["train.steps=2", "scheduler.warmup_steps=1", "train.eval_every=0", "train.eval_batches=1"]
+"""Each run's length: the second step's loss and grad norm follow the first update, so a wrong gradient shows."""
 
 LAYOUT_KEYS = tuple(
     f"parallel.{key}=" for key in ("tp", "cp", "pp", "ep", "dp_shard", "dp_replicate", "ep_spans_tp", "pp_schedule")
@@ -24,11 +29,12 @@ RTOL = 1e-4
 COMPILE_RTOL = 1e-3
 """inductor fuses and reorders the fp32 arithmetic."""
 FP8_RTOL = 2e-3
-"""bf16 with float8 matmuls: the ranks' partial sums round to bf16 in another order (the loss)."""
+"""bf16 with float8 matmuls, the loss: the ranks' partial sums round to bf16 in another order (measured for fp8 x tp2:
+3e-4 for the MoE, 1e-3 dense)."""
 BF16_GRAD_RTOL = 2**-7
-"""The first step's grad norm of bf16 gradients: two of bf16's relative spacings (2**-8), each element rounded after
-sums in another order. (The second step's is not compared: its weights are one bf16-rounded update apart, and an MoE
-token whose expert that flips moves the norm by percents: 2.5 % measured for fp8 x tp2 with balanced selection.)"""
+"""bf16 gradients, the first step's grad norm: one bf16 spacing (2**-7 relative, twice its unit roundoff), each
+element rounded after sums in another order (measured: 1.7e-3 dense, 7e-5 MoE). The second step's is not compared:
+its weights are one bf16-rounded update apart (dense: 4.6e-3 measured)."""
 
 SAME_ARITHMETIC = {
     "activation checkpointing (full)": RTOL,
@@ -39,17 +45,57 @@ SAME_ARITHMETIC = {
 """One-process features that change how, not what, the model computes: they match the run without them. (fp8 and
 document masking change what is computed: in one process they are their own reference and only must train.)"""
 
+APPLIED = {
+    "dp_replicate (DDP)": {"fsdp"},
+    "dp_shard (FSDP)": {"fsdp"},
+    "HSDP": {"fsdp"},
+    "tp": {"tp"},
+    "pp": {"pp"},
+    "cp": {"cp"},
+    "ep": {"ep", "fsdp"},
+    "fp8": {"fp8"},
+    "activation checkpointing (full)": {"activation_checkpoint"},
+    "activation checkpointing (selective)": {"activation_checkpoint"},
+    "compile": {"compile"},
+    "flex attention": set(),  # a kernel of the model's own (model.attention), no transform
+    "document masking": set(),  # the data's document ids, no transform
+    "zero-bubble pp (zbv) x FSDP": {"pp", "fsdp"},
+    "tp x pp x FSDP": {"tp", "pp", "fsdp"},
+    "tp x cp x pp": {"tp", "cp", "pp"},
+    "pp x ep x FSDP": {"pp", "ep", "fsdp"},
+    "tp x ep": {"tp", "ep", "fsdp"},
+    "ep spanning tp": {"tp", "ep"},
+    "cp x ep": {"cp", "ep", "fsdp"},
+    "ep x activation checkpointing (selective)": {"ep", "activation_checkpoint"},
+    "fp8 x tp": {"fp8", "tp"},
+}
+"""The parallel plan's steps (forge.parallel.applied) each feature's cell must have applied: a transform skipped by
+mistake would leave a run that still matches its twin."""
 
 SWITCH_OFF_BALANCED_SELECTION = ["model.moe.balanced_selection=false"]
-"""For MoE cells with context parallelism, in the cell and its twin: each cp rank routes half of every sequence, and
-the presets' balanced selection is solved on the tokens a layer routes, so it picks other experts than one process
-(tests/parallel/test_moe_layouts.py turns it off too); the sign-balanced routing then matches one process."""
+"""For MoE cells of several ranks that route other tokens, or round them otherwise, than one process: each cp rank
+routes half of every sequence, and a bf16 rank's partial sums flip a token's expert (fp8 x tp2: grad norm 2.5 % off
+at step 2 with balanced selection, 0.4 % without). The presets' balanced selection, solved on the tokens a layer
+routes, moves a whole token at such an edge; the cell and its twin turn it off (as tests/parallel/test_moe_layouts.py
+does for cp), and the sign-balanced routing then matches one process."""
 
 
-def cell_runs(feature: str, kind: str) -> list[str]:
+@functools.cache
+def resolved(overrides: tuple[str, ...], world: int):
+    """The cell's config as validation resolves it on its world, and its degrees."""
+    from forge.config import compose, validate
+
+    cfg = compose(list(overrides))
+    return cfg, validate(cfg, world_size=world)
+
+
+def overrides_as_tested(feature: str, kind: str) -> list[str]:
+    """The cell's overrides, with balanced selection off where one process cannot route as the ranks do."""
     overrides = cell_overrides(feature, kind)
-    with_cp = any(o in ("parallel=cp2", "parallel=cp2_fsdp", "parallel.cp=2") for o in overrides)
-    return overrides + (SWITCH_OFF_BALANCED_SELECTION if kind == "MoE" and with_cp else [])
+    cfg, degrees = resolved(tuple(overrides), FEATURES[feature].world)
+    low_precision_ranks = degrees.world_size > 1 and cfg.train.dtype != "fp32"
+    off = kind == "MoE" and (degrees.cp > 1 or low_precision_ranks)
+    return overrides + (SWITCH_OFF_BALANCED_SELECTION if off else [])
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +103,10 @@ def matrix() -> dict:
     return support_matrix()
 
 
-def micro_batch(overrides: list[str], world: int) -> int:
+def batch_per_forward(overrides: list[str], world: int) -> int:
     """The batch one forward of the cell holds on its world: the micro-batch validation fills in, which a pipeline
     splits into its microbatches (forge.parallel.pipeline)."""
-    from forge.config import compose, validate
-
-    cfg = compose(overrides)
-    degrees = validate(cfg, world_size=world)
+    cfg, degrees = resolved(tuple(overrides), world)
     return cfg.train.micro_batch_size // ((cfg.parallel.microbatches or degrees.pp) if degrees.pp > 1 else 1)
 
 
@@ -73,13 +116,13 @@ def one_process_twin(feature: str, kind: str) -> tuple[list[str], dict[str, tupl
     The twin keeps the cell's batch per forward: a micro-batch-scoped MoE balancing loss is each micro-batch's own,
     so one process accumulates the micro-batches (or pipeline chunks) the ranks hold."""
     world = FEATURES[feature].world
-    overrides = cell_runs(feature, kind)
+    overrides = overrides_as_tested(feature, kind)
     if world == 1:
         if feature not in SAME_ARITHMETIC:
             return None
         return [*KINDS[kind], *SMALL], dict.fromkeys(("loss", "grad_norm"), (SAME_ARITHMETIC[feature], 2))
     twin = [o for o in overrides if not o.startswith(LAYOUT_KEYS)]
-    twin += ["parallel=single", f"train.micro_batch_size={micro_batch(overrides, world)}"]
+    twin += ["parallel=single", f"train.micro_batch_size={batch_per_forward(overrides, world)}"]
     if "parallel.fp8=true" in overrides:
         return twin, {"loss": (FP8_RTOL, 2), "grad_norm": (BF16_GRAD_RTOL, 1)}
     return twin, dict.fromkeys(("loss", "grad_norm"), (RTOL, 2))
@@ -87,32 +130,54 @@ def one_process_twin(feature: str, kind: str) -> tuple[list[str], dict[str, tupl
 
 def supported_cells(matrix: dict, world: int) -> dict[str, list[str]]:
     return {
-        f"{feature}|{kind}": cell_runs(feature, kind)
+        f"{feature}|{kind}": overrides_as_tested(feature, kind)
         for (feature, kind), state in matrix.items()
         if state is None and FEATURES[feature].world == world
     }
 
 
-def train_runs(runs: dict[str, list[str]], root: str) -> dict[str, dict[str, list[float]]]:
-    """Two steps of each run on this rank's process group, one after another; rank 0 returns their curves."""
+class PlanSteps(logging.Handler):
+    """Collects the steps of the parallel plan as forge.parallel.applied logs them."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.steps: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        step = getattr(record, "plan_step", None)
+        if step is not None:
+            self.steps.add(step)
+
+
+def train_runs(runs: dict[str, list[str]], root: str) -> dict[str, dict]:
+    """Two steps of each run on this rank's process group, one after another; rank 0 returns their curves and the
+    plan's steps."""
     from forge.config import compose
     from forge.parallel.dist import is_main_process
     from forge.train.trainer import Trainer
     from forge.train.vlm_trainer import VLMTrainer
     from tests.parallel.scenarios import curves
 
+    log = logging.getLogger("forge")
+    log.setLevel(logging.INFO)  # the plan logs its steps at INFO (the trainer quiets the other ranks itself)
     out = {}
     for name, overrides in runs.items():
         cfg = compose([*overrides, *TWO_STEPS, "train.threads=1", "train.log_every=1"])
-        trainer = (VLMTrainer if cfg.get("vlm") is not None else Trainer)(cfg, Path(root) / f"run_{len(out)}")
+        steps = PlanSteps()
+        log.addHandler(steps)
+        try:
+            trainer = (VLMTrainer if cfg.get("vlm") is not None else Trainer)(cfg, Path(root) / f"run_{len(out)}")
+        finally:
+            log.removeHandler(steps)
         trainer.fit()
-        out[name] = curves(trainer.run_dir) if is_main_process() else {}
+        out[name] = curves(trainer.run_dir) | {"plan": steps.steps} if is_main_process() else {}
     return out
 
 
 @pytest.fixture(scope="module")
-def one_process(matrix, tmp_path_factory) -> dict[tuple[str, ...], dict[str, list[float]]]:
-    """Every one-process run the tests compare with, each once: the world-1 cells and the cells' twins."""
+def one_process(matrix, tmp_path_factory) -> dict[tuple[str, ...], dict]:
+    """Every one-process run the tests compare with, each once: the world-1 cells and the cells' twins (about 50
+    runs, 3 of them compiled: 2 minutes here)."""
     runs = [overrides for overrides in supported_cells(matrix, 1).values()]
     for (feature, kind), state in matrix.items():
         if state is None and (twin := one_process_twin(feature, kind)):
@@ -125,6 +190,7 @@ def one_process(matrix, tmp_path_factory) -> dict[tuple[str, ...], dict[str, lis
 def assert_trains_like_its_twin(cell: str, run: dict, one_process: dict) -> None:
     feature, kind = cell.split("|")
     assert len(run["loss"]) == 2 and all(math.isfinite(x) and x > 0 for x in run["loss"] + run["grad_norm"]), run
+    assert APPLIED[feature] <= run["plan"], f"{cell}: the plan applied {sorted(run['plan'])}"
     twin = one_process_twin(feature, kind)
     if twin is None:
         return
@@ -133,6 +199,10 @@ def assert_trains_like_its_twin(cell: str, run: dict, one_process: dict) -> None
         rel, steps = twin[1][key]
         got, one = run[key][:steps], want[key][:steps]
         assert got == pytest.approx(one, rel=rel), f"{cell}: {key} {got} vs one process {one}"
+
+
+def test_every_feature_names_the_plan_steps_it_applies():
+    assert set(APPLIED) == set(FEATURES)
 
 
 def test_the_page_is_current(matrix):

@@ -240,7 +240,7 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
                 not parallel.compile,
                 f"parallel.pp_schedule={schedule} with parallel.compile=true is not supported: torch's zero-bubble "
                 "schedules refuse compiled stages (a compiled block's backward cannot be split into input and weight "
-                "gradients); use parallel.compile=false, or parallel.pp_schedule=interleaved_1f1b with compile",
+                "gradients); use parallel.compile=false, or parallel.pp_schedule=1f1b with compile",
             )
         require(
             not (schedule in V_SHAPED and model.get("tie_embeddings", False)),

@@ -34,6 +34,6 @@ class Applied:
 
 
 def logged(applied: Applied) -> Applied:
-    """`applied`, after logging its sentence at INFO."""
-    log.info("%s", applied.detail)
+    """`applied`, after logging its sentence at INFO (the record carries the step as `plan_step`)."""
+    log.info("%s", applied.detail, extra={"plan_step": applied.step})
     return applied
