@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from forge.config.degrees import pipeline_chunks
 from forge.config.support import FEATURES, KINDS, SMALL, cell_overrides, page_path, render, support_matrix
 from tests.parallel.harness import launch
 
@@ -107,7 +108,7 @@ def batch_per_forward(overrides: list[str], world: int) -> int:
     """The batch one forward of the cell holds on its world: the micro-batch validation fills in, which a pipeline
     splits into its microbatches (forge.parallel.pipeline)."""
     cfg, degrees = resolved(tuple(overrides), world)
-    return cfg.train.micro_batch_size // ((cfg.parallel.microbatches or degrees.pp) if degrees.pp > 1 else 1)
+    return cfg.train.micro_batch_size // pipeline_chunks(degrees.pp, cfg.parallel.microbatches)
 
 
 def one_process_twin(feature: str, kind: str) -> tuple[list[str], dict[str, tuple[float, int]]] | None:

@@ -61,6 +61,12 @@ def defers_grad_sync(degrees: Degrees, pp_schedule: str, explicit: bool | None =
     return degrees.fsdp_shard == 1 or (degrees.pp > 1 and str(pp_schedule) in ZERO_BUBBLE)
 
 
+def pipeline_chunks(pp: int, microbatches: int | None) -> int:
+    """The chunks a pipeline splits each micro-batch into: parallel.microbatches, or when None one per pipeline rank
+    (1 without a pipeline)."""
+    return (microbatches or pp) if pp > 1 else 1
+
+
 def resolve_degrees(parallel, world_size: int) -> Degrees:
     """Fill the one degree set to -1 and check that the product equals the world size.
 

@@ -9,7 +9,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from forge.config.degrees import Degrees, resolve_degrees
+from forge.config.degrees import Degrees, pipeline_chunks, resolve_degrees
 from forge.config.domains import validate_domains
 from forge.config.errors import ConfigError, require
 from forge.config.interpolations import validate_interpolations
@@ -247,7 +247,7 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
             f"parallel.pp_schedule={schedule} with model.tie_embeddings=true is not supported: the first and the last "
             "stage share rank 0 in a V, as two copies of the tied matrix; use interleaved_zb or interleaved_1f1b",
         )
-        micro = parallel.microbatches or degrees.pp
+        micro = pipeline_chunks(degrees.pp, parallel.microbatches)
         local_batch = cfg.train.micro_batch_size
         require(
             local_batch % micro == 0,

@@ -43,7 +43,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
-from forge.config.degrees import Degrees
+from forge.config.degrees import Degrees, pipeline_chunks
 from forge.config.schema import V_SHAPED, ZERO_BUBBLE, PPSchedule, stages_per_rank
 from forge.models.common.attention import DocumentMask
 from forge.models.common.moe import moe_layers
@@ -408,7 +408,7 @@ def build_pipeline(
         return submesh(mesh, *names)
 
     stages = [stage_cls(p, s, n_stages, device, group=group, get_mesh=get_mesh) for s, p in zip(stage_ids, parts)]
-    microbatches = parallel_cfg.microbatches or pp
+    microbatches = pipeline_chunks(pp, parallel_cfg.microbatches)
     cls = SCHEDULES[parallel_cfg.pp_schedule]
     loss = ChunkLoss(loss_fn)
     schedule = cls(stages if per_rank > 1 else stages[0], n_microbatches=microbatches, loss_fn=loss, scale_grads=False)

@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig
 
 from forge.config import validate
-from forge.config.degrees import Degrees, defers_grad_sync, resolve_degrees
+from forge.config.degrees import Degrees, defers_grad_sync, pipeline_chunks, resolve_degrees
 from forge.models.spec import spec_of
 from forge.parallel.applied import Applied
 from forge.planning.flags import PLAN_OPTIONS
@@ -190,7 +190,7 @@ def rank_memory(cfg: DictConfig, degrees: Degrees, args, held: RankParts, pp_ran
     from forge.parallel.pipeline import stages_per_rank
 
     train, parallel = cfg.train, cfg.parallel
-    chunks = (parallel.microbatches or degrees.pp) if degrees.pp > 1 else 1
+    chunks = pipeline_chunks(degrees.pp, parallel.microbatches)
     stages = stages_per_rank(parallel.pp_schedule)
     return estimate_memory(
         args,
