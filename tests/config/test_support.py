@@ -221,9 +221,9 @@ def test_refusals_are_one_line_and_some_cells_of_each_kind_are_supported(matrix)
 
 
 ONE_GROUP_PER_CELL_FROM = 4
-"""Worlds from which each cell gets a process group of its own. (Several trainers of those layouts one after another
-in one forked process group once failed in the suite to resolve a process group of an earlier mesh; one trainer per
-process group, as in a real run, does not.)"""
+"""Worlds from which each cell gets a process group of its own, as in a real run. (A cell once failed to resolve a
+process group of an earlier mesh: DTensor's caches kept results on an equal mesh of an earlier process group;
+forge.parallel.mesh.build_mesh now drops them, tests/parallel/test_mesh_and_plan.py guards it.)"""
 
 
 @pytest.mark.dist

@@ -169,3 +169,43 @@ def test_flattened_mesh_dims_are_kept_not_sliced_from_the_root(layout, want):
             expected = torch.tensor(flat).reshape(rows, -1).tolist()
             assert groups[name] == expected, (rank, name)
         assert groups["dp_size_seen"] == layout.dp
+
+
+def sharded_result_mesh(layout: Degrees) -> dict:
+    """Build the run's mesh, compute on a tensor sharded over it, and report whether the result's mesh is this
+    mesh and its groups resolve (an all-reduce over each dimension)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from forge.parallel.mesh import build_mesh
+
+    mesh = build_mesh(layout, "cpu")
+    result = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Shard(1)]) * 2
+    for dim in range(result.device_mesh.ndim):
+        dist.all_reduce(torch.ones(1), group=result.device_mesh.get_group(dim))
+    return {"same_mesh": result.device_mesh is mesh}
+
+
+@pytest.mark.dist
+def test_a_mesh_equal_to_one_of_an_earlier_process_group_gets_results_on_itself():
+    """DTensor caches sharding results with the mesh they were computed on, and meshes compare equal without their
+    process groups: a run after a simulated world of the same shape in the forking process (as --plan makes) once
+    failed with "Could not resolve the process group registered under the name 3". build_mesh drops the caches."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from forge.parallel.mesh import build_mesh, forget_earlier_meshes
+    from tests.parallel.harness import launch
+
+    layout = degrees(pp=2, dp_shard=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        simulated = build_mesh(layout, "cpu")
+        distribute_tensor(torch.ones(4, 4), simulated, [Shard(0), Shard(1)]) * 2  # cached on the simulated mesh
+    finally:
+        dist.destroy_process_group()
+    try:
+        assert launch(sharded_result_mesh, 4, layout) == [{"same_mesh": True}] * 4
+    finally:
+        forget_earlier_meshes()  # the simulated mesh stays out of this process's later tests

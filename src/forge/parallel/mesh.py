@@ -3,6 +3,9 @@
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from forge.config.degrees import Degrees
 
@@ -46,6 +49,7 @@ def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh | None:
         return None
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialised process group (forge.parallel.dist.init_distributed)")
+    forget_earlier_meshes()
     shape = mesh_shape(degrees)
     mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
     flattened: dict[tuple[str, ...], DeviceMesh] = {}
@@ -80,6 +84,19 @@ def build_mesh(degrees: Degrees, device_type: str) -> DeviceMesh | None:
                 )
     setattr(mesh, _FLATTENED, flattened)
     return mesh
+
+
+def forget_earlier_meshes() -> None:
+    """Drop DTensor's caches of sharding results, which hold the meshes they were computed on.
+
+    DeviceMesh equality compares ranks, shape and names but not process groups, so a mesh equal to one of an
+    earlier process group in this process (an earlier run, or a forked parent's simulated world) would get cached
+    results carrying the earlier mesh, whose groups no longer resolve: "Could not resolve the process group
+    registered under the name 3" at the first collective on such a result.
+    """
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    clear_redistribute_planner_cache()
 
 
 def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
