@@ -954,6 +954,8 @@ SCHEMAS: dict[str, type] = {
 def register_schemas() -> None:
     """Store every schema at the root of the ConfigStore (root names stay out of `--help`'s group list)."""
     store = ConfigStore.instance()
+    if all(f"{name}.yaml" in store.repo for name in SCHEMAS):
+        return  # stored already in this process: storing converts every schema again (a tenth of a compose)
     for name, node in SCHEMAS.items():
         store.store(name=name, node=node)
 
