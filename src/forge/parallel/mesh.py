@@ -5,7 +5,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from forge.config.degrees import Degrees
 
@@ -94,8 +93,10 @@ def forget_earlier_meshes() -> None:
     results carrying the earlier mesh, whose groups no longer resolve: "Could not resolve the process group
     registered under the name 3" at the first collective on such a result.
     """
-    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
-    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's (torch.distributed.tensor.debug's)
     clear_redistribute_planner_cache()
 
 
