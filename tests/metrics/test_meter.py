@@ -75,5 +75,9 @@ def test_a_cached_peak_below_the_run_s_rate_is_measured_again(tmp_path, monkeypa
     remeasured = json.loads((tmp_path / "peak_flops.json").read_text())[key]
     assert remeasured > 1e6 and meter.peak.flops == remeasured and meter.peak.remeasure is None
     assert m["mfu"] == pytest.approx(1e6 * m["tokens_per_s"] / remeasured, rel=1e-6)
-    again = resolve_peak(device, "fp32")  # the next run: measured again once is enough for this cache entry
+    again = resolve_peak(device, "fp32")  # the next run: measured again once a day is enough for this cache entry
     assert again.flops == remeasured and again.source.startswith("cached") and again.remeasure is None
+    cache = json.loads((tmp_path / "peak_flops.json").read_text())
+    cache[f"{key}|measured again"] -= 25 * 3600  # a day later
+    (tmp_path / "peak_flops.json").write_text(json.dumps(cache))
+    assert resolve_peak(device, "fp32").remeasure is not None

@@ -91,7 +91,9 @@ def forget_earlier_meshes() -> None:
     DeviceMesh equality compares ranks, shape and names but not process groups, so a mesh equal to one of an
     earlier process group in this process (an earlier run, or a forked parent's simulated world) would get cached
     results carrying the earlier mesh, whose groups no longer resolve: "Could not resolve the process group
-    registered under the name 3" at the first collective on such a result.
+    registered under the name 3" at the first collective on such a result. The caches are per thread and this
+    clears the calling thread's, the only one a forked run has; on CUDA the backward's DTensor ops run on autograd's
+    device threads, whose caches an earlier run in the same process would still hold.
     """
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
