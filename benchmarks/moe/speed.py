@@ -8,8 +8,8 @@ without overlapped all-to-alls: side by side in one run (ratios; these machines 
    with gradient accumulation, so that per-parameter costs weigh as in training) beside its dense twin, a SwiGLU of
    hidden top_k x expert width, so the two have the same active FLOPs per token (the MoE adds its router's
    dim x experts). 8 experts top-2 (width 1024, softmax router) and 64 experts top-6 (width 256, sigmoid router),
-   both with balanced selection, each MoE with the grouped-GEMM dispatch (the default) and the one-chain-per-expert
-   loop it replaced. The step is forward, backward and fused AdamW under autocast in the resolved dtype, as the
+   both with balanced selection, each MoE with the default dispatch (grouped GEMMs; on a CPU, batched GEMMs of
+   the groups padded to the longest when routing is balanced) and the one-chain-per-expert loop it replaced. The step is forward, backward and fused AdamW under autocast in the resolved dtype, as the
    trainer's. The configurations alternate for --rounds rounds; each cell is the median. MFU uses
    forge.planning.flops' count (the trainer's) against the best square-matmul rate measured in the same run; the
    column that matters is "MFU / twin's", which the peak cancels out of.
@@ -55,7 +55,7 @@ WEIGHT_COPIES = "bf16 weight copies"
 OP_KINDS = (  # (kind, substrings of op names), in priority order: an op counts under the first kind that it or
     # any op it runs inside matches (an aten::mm inside torch._grouped_mm's CPU loop is an expert GEMM)
     ("per parameter: bf16 weight copies, fp32 gradient sums", (WEIGHT_COPIES, "AccumulateGrad")),
-    ("expert GEMMs (grouped)", ("grouped_mm", "GroupedMm")),
+    ("expert GEMMs (grouped or batched)", ("grouped_mm", "GroupedMm", "aten::bmm", "BmmBackward")),
     ("attention", ("scaled_dot_product", "ScaledDotProduct", "flash_attention")),
     ("optimizer", ("adam", "Optimizer")),
     ("routing (scores, top-k, balancing)", ("topk", "kthvalue", "Topk", "Kthvalue", "sigmoid", "Sigmoid")),
@@ -113,7 +113,7 @@ def one_process(opts, device: torch.device, dtype: str) -> None:
     runs: dict[str, Step] = {}
     for name, (_, top_k, width, _) in MOES.items():
         runs[f"{name}: dense twin"] = Step(model_args(None, top_k * width), device, dtype, accum=opts.accum)
-        runs[f"{name}: MoE, grouped GEMMs"] = Step(model_args(name, top_k * width), device, dtype, accum=opts.accum)
+        runs[f"{name}: MoE, default dispatch"] = Step(model_args(name, top_k * width), device, dtype, accum=opts.accum)
         runs[f"{name}: MoE, loop per expert"] = Step(
             model_args(name, top_k * width), device, dtype, grouped=False, accum=opts.accum
         )

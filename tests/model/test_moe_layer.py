@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from forge.models.common.moe import MoE, moe_metrics, router_losses, update_router_biases
 from forge.models.common.moe import layer as layer_module
 from forge.models.common.moe.dispatch import assign, local_dispatch
-from forge.models.common.moe.experts import GroupedExperts, grouped_mm_available
+from forge.models.common.moe.experts import GroupedExperts, batched_swiglu, grouped_mm_available, grouped_swiglu
 from forge.models.llama import MoEArgs, TransformerArgs, build_transformer
 from forge.models.llama.transformer import FeedForward
 
@@ -150,6 +150,47 @@ def test_groups_padded_for_a_kernel_give_the_unpadded_result(align):
         results.append([out.detach(), xi.grad] + [p.grad.clone() for p in experts.parameters()])
     for padded, plain in zip(*results):
         torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_gemms_of_padded_groups_give_the_grouped_result(dtype):
+    """The CPU's batched path (each group padded to the longest) against the grouped GEMMs: outputs and gradients,
+    an empty group and the dropped rows riding with the last group included."""
+    grouped_or_skip(dtype)
+    torch.manual_seed(0)
+    experts = GroupedExperts(DIM, HIDDEN, 4)
+    experts.init_weights(0.2, 0.2)
+    experts = experts.to(dtype)
+    sizes = torch.tensor([5, 0, 7, 4])  # 2 of the last group's rows are dropped ones
+    x, grad = torch.randn(16, DIM, dtype=dtype), torch.randn(16, DIM, dtype=dtype)
+    weights = (experts.w1, experts.w2, experts.w3)
+    results = []
+    for path in (
+        lambda xi: grouped_swiglu(xi, sizes.cumsum(0).to(torch.int32), *weights),
+        lambda xi: batched_swiglu(xi, sizes, 7, *weights),
+    ):
+        experts.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = path(xi)
+        out.backward(grad)
+        results.append([out.detach(), xi.grad] + [p.grad.clone() for p in experts.parameters()])
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for grouped, batched in zip(*results):
+        torch.testing.assert_close(batched, grouped, **tol)
+
+
+def test_balanced_groups_take_the_batched_path_on_a_cpu(monkeypatch):
+    """forward_grouped on a CPU pads near-equal groups and runs batched GEMMs; far-apart groups keep the grouped
+    GEMMs (padding them would multiply the work)."""
+    import forge.models.common.moe.experts as experts_module
+
+    taken = []
+    monkeypatch.setattr(experts_module, "batched_swiglu", lambda *a: taken.append("batched") or a[0])
+    monkeypatch.setattr(experts_module, "grouped_swiglu", lambda *a: taken.append("grouped") or a[0])
+    experts = GroupedExperts(DIM, HIDDEN, 4)
+    experts.forward_grouped(torch.randn(16, DIM), torch.tensor([4, 4, 4, 4]))
+    experts.forward_grouped(torch.randn(16, DIM), torch.tensor([13, 1, 1, 1]))
+    assert taken == ["batched", "grouped"]
 
 
 def test_one_expert_top1_equals_dense_swiglu():
