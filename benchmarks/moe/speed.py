@@ -9,8 +9,9 @@ without overlapped all-to-alls: side by side in one run (ratios; these machines 
    hidden top_k x expert width, so the two have the same active FLOPs per token (the MoE adds its router's
    dim x experts). 8 experts top-2 (width 1024, softmax router) and 64 experts top-6 (width 256, sigmoid router),
    both with balanced selection, each MoE with the default dispatch (grouped GEMMs; on a CPU, batched GEMMs of
-   the groups padded to the longest when routing is balanced) and the one-chain-per-expert loop it replaced. The step is forward, backward and fused AdamW under autocast in the resolved dtype, as the
-   trainer's. The configurations alternate for --rounds rounds; each cell is the median. MFU uses
+   the groups padded to the longest when routing is balanced) and the one-chain-per-expert loop it replaced. The
+   step is forward, backward and fused AdamW under autocast in the resolved dtype, as the trainer's. The
+   configurations alternate for --rounds rounds; each cell is the median. MFU uses
    forge.planning.flops' count (the trainer's) against the best square-matmul rate measured in the same run; the
    column that matters is "MFU / twin's", which the peak cancels out of.
 2. A profile of the 64-expert step beside its twin's: self time per kind of op (torch.profiler), per step.

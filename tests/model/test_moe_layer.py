@@ -193,6 +193,14 @@ def test_balanced_groups_take_the_batched_path_on_a_cpu(monkeypatch):
     assert taken == ["batched", "grouped"]
 
 
+def test_no_rows_give_no_rows():
+    """An expert-parallel rank or part that received no token: an empty output with the model's width."""
+    experts = GroupedExperts(DIM, HIDDEN, 4)
+    assert experts.forward_grouped(torch.randn(0, DIM), torch.zeros(4, dtype=torch.long)).shape == (0, DIM)
+    assert batched_swiglu(torch.randn(0, DIM), torch.zeros(4, dtype=torch.long), 0, experts.w1, experts.w2,
+                          experts.w3).shape == (0, DIM)  # fmt: skip
+
+
 def test_one_expert_top1_equals_dense_swiglu():
     moe = make_moe(num_experts=1, top_k=1)
     dense = FeedForward(DIM, HIDDEN)

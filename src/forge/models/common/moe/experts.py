@@ -3,7 +3,9 @@
 Layout matches `torch._grouped_mm(x, w)` (x @ w): w1 and w3 are (experts, dim, hidden), w2 is (experts, hidden, dim).
 Tokens arrive grouped by expert: rows [0, counts[0]) go to the first local expert, and so on. Rows past counts.sum()
 (assignments a capacity limit dropped) ride with the last expert, so every shape stays static and nothing waits on
-the device; the layer weighs their outputs by 0, which also gives them a zero gradient.
+the device; the layer weighs their outputs by 0, which also gives them a zero gradient. (On a CPU, where reading a
+value waits for nothing, balanced groups are padded to the longest one and run as batched GEMMs: see
+BATCHED_PADDING_LIMIT.)
 """
 
 from collections.abc import Callable
@@ -84,9 +86,10 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, view: WeightView | None = None) -> torch.Tensor:
         """x (N, dim) grouped by local expert, counts (num_local,) int64 -> (N, dim).
 
-        Grouped GEMMs where the build has them and the widths fit their strides; otherwise one matmul chain per
-        expert. `view` is applied to w1, w2 and w3 inside forward (after any wrapper's pre-forward hook gathered
-        them): expert parallelism passes one that returns the local part of its sharded parameters.
+        Grouped GEMMs where the build has them and the widths fit their strides (on a CPU, batched GEMMs of the
+        padded groups when routing is balanced); otherwise one matmul chain per expert. `view` is applied to w1, w2
+        and w3 inside forward (after any wrapper's pre-forward hook gathered them): expert parallelism passes one
+        that returns the local part of its sharded parameters.
         """
         weights = (view(self.w1), view(self.w2), view(self.w3)) if view is not None else None
         w1 = weights[0] if weights is not None else self.w1
@@ -108,7 +111,8 @@ class GroupedExperts(nn.Module):
         self, x: torch.Tensor, counts: torch.Tensor, weights: tuple | None = None, align: int | None = None
     ) -> torch.Tensor:
         """All experts in three grouped GEMMs, without a host sync. Groups are padded to `align` rows only where the
-        kernel needs it (`group_alignment`: on CUDA); the padded buffer's size is static."""
+        kernel needs it (`group_alignment`: on CUDA); the padded buffer's size is static. On a CPU, near-equal groups
+        are padded to the longest (read on the host) and run as three batched GEMMs instead (`batched_swiglu`)."""
         w1, w2, w3 = weights or (self.w1, self.w2, self.w3)
         dtype = compute_dtype(x)
         x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
@@ -116,7 +120,7 @@ class GroupedExperts(nn.Module):
         align = group_alignment(x) if align is None else align
         if align == 1 and x.device.type == "cpu" and not torch.compiler.is_compiling():
             longest = int(sizes.max())  # a CPU reads its own memory: there is no device to wait for
-            if longest * sizes.numel() <= rows * BATCHED_PADDING_LIMIT:
+            if 0 < longest * sizes.numel() <= rows * BATCHED_PADDING_LIMIT:
                 return batched_swiglu(x, sizes, longest, w1, w2, w3)
         if align == 1:
             return grouped_swiglu(x, sizes.cumsum(0).to(torch.int32), w1, w2, w3)
@@ -144,7 +148,8 @@ class GroupedExperts(nn.Module):
 BATCHED_PADDING_LIMIT = 1.25
 """On a CPU, groups padded to the longest run as batched GEMMs when the padding adds at most this factor of rows
 (balanced routing: a few percent). torch._grouped_mm runs one GEMM per group there, and batched GEMMs of the padded
-groups took 0.78x its time at 64 groups of 192 x 512 rows (benchmarks/moe/speed.py measures the step)."""
+groups took 0.78x its time at 64 groups of 192 x 512 rows (benchmarks/moe/speed.py measures the step). Autograd then
+keeps the padded tokens and hidden states, up to this factor of what forge.planning.memory counts for them."""
 
 
 def batched_swiglu(
@@ -156,9 +161,9 @@ def batched_swiglu(
     starts = sizes.cumsum(0) - sizes
     group = torch.repeat_interleave(torch.arange(groups, device=x.device), sizes, output_size=rows)
     position = group * longest + torch.arange(rows, device=x.device) - starts[group]
-    padded = x.new_zeros(groups * longest, x.shape[-1]).index_copy(0, position, x).view(groups, longest, -1)
+    padded = x.new_zeros(groups * longest, x.shape[-1]).index_copy(0, position, x).view(groups, longest, x.shape[-1])
     h = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
-    return _TakeRows.apply(torch.bmm(h, w2).view(groups * longest, -1), position)
+    return _TakeRows.apply(torch.bmm(h, w2).view(groups * longest, w2.shape[-1]), position)
 
 
 class _TakeRows(torch.autograd.Function):
