@@ -59,10 +59,14 @@ def padded_positions(sizes: torch.Tensor, rows: int, align: int) -> tuple[torch.
     """Each row's place when every group is padded to a multiple of `align` rows (at least `align`), and the padded
     groups' end offsets. All on the device: the padded buffer has the static size rows + groups * align."""
     padded = ((sizes + align - 1) // align * align).clamp(min=align)
-    starts, padded_starts = sizes.cumsum(0) - sizes, padded.cumsum(0) - padded
+    return group_positions(sizes, rows, padded.cumsum(0) - padded), padded.cumsum(0)
+
+
+def group_positions(sizes: torch.Tensor, rows: int, padded_starts: torch.Tensor) -> torch.Tensor:
+    """Each row's place in a buffer whose group g starts at row padded_starts[g]."""
+    starts = sizes.cumsum(0) - sizes
     group = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes, output_size=rows)
-    position = torch.arange(rows, device=sizes.device) - starts[group] + padded_starts[group]
-    return position, padded.cumsum(0)
+    return torch.arange(rows, device=sizes.device) - starts[group] + padded_starts[group]
 
 
 class GroupedExperts(nn.Module):
@@ -126,7 +130,7 @@ class GroupedExperts(nn.Module):
             return grouped_swiglu(x, sizes.cumsum(0).to(torch.int32), w1, w2, w3)
         position, ends = padded_positions(sizes, rows, align)
         padded = x.new_zeros(rows + sizes.numel() * align, x.shape[-1]).index_copy(0, position, x)
-        return grouped_swiglu(padded, ends.to(torch.int32), w1, w2, w3)[position]
+        return take_rows(grouped_swiglu(padded, ends.to(torch.int32), w1, w2, w3), position)
 
     def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
         return {"w1": trunc_normal(std), "w3": trunc_normal(std), "w2": trunc_normal(out_std)}
@@ -157,13 +161,16 @@ def batched_swiglu(
 ) -> torch.Tensor:
     """`grouped_swiglu` with every group padded to `longest` rows and run as batched GEMMs (rows of zeros: their
     outputs are dropped and give no gradient)."""
-    groups, rows = sizes.numel(), x.shape[0]
-    starts = sizes.cumsum(0) - sizes
-    group = torch.repeat_interleave(torch.arange(groups, device=x.device), sizes, output_size=rows)
-    position = group * longest + torch.arange(rows, device=x.device) - starts[group]
+    groups = sizes.numel()
+    position = group_positions(sizes, x.shape[0], torch.arange(groups, device=x.device) * longest)
     padded = x.new_zeros(groups * longest, x.shape[-1]).index_copy(0, position, x).view(groups, longest, x.shape[-1])
     h = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
-    return _TakeRows.apply(torch.bmm(h, w2).view(groups * longest, w2.shape[-1]), position)
+    return take_rows(torch.bmm(h, w2).view(groups * longest, w2.shape[-1]), position)
+
+
+def take_rows(y: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """y[position] for `position` naming distinct rows (a padded buffer's real rows)."""
+    return _TakeRows.apply(y, position)
 
 
 class _TakeRows(torch.autograd.Function):
