@@ -26,8 +26,9 @@ def _cluster_up() -> bool:
     if not shutil.which("scontrol") or not shutil.which("sinfo"):
         return False
     ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
-    state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
-    return ping.returncode == 0 and "UP" in ping.stdout and state.stdout.strip() in ("idle", "mixed", "allocated")
+    state = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True)
+    one_node = state.stdout.split() in (["localhost", s] for s in ("idle", "mixed", "allocated"))
+    return ping.returncode == 0 and "UP" in ping.stdout and one_node  # not a cluster of SLURM_CI_NODES > 1
 
 
 @pytest.fixture(scope="session")
