@@ -42,7 +42,11 @@ def slurm() -> Iterator[None]:
     if not shutil.which("apt-get") and not shutil.which("slurmctld"):
         pytest.skip("SLURM cannot be installed: no apt-get (Debian/Ubuntu) and no slurmctld on PATH")
     start = subprocess.run(
-        ["bash", str(SCRIPTS / "start-slurm.sh")], capture_output=True, text=True, timeout=START_TIMEOUT_S
+        ["bash", str(SCRIPTS / "start-slurm.sh")],
+        env={**os.environ, "SLURM_CI_NODES": "1"},  # the tests' one node of 2 CPUs, whatever the shell exported
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
     )
     if start.returncode != 0:
         output = (start.stdout + start.stderr)[-3000:]
