@@ -59,7 +59,8 @@ def padded_positions(sizes: torch.Tensor, rows: int, align: int) -> tuple[torch.
     """Each row's place when every group is padded to a multiple of `align` rows (at least `align`), and the padded
     groups' end offsets. All on the device: the padded buffer has the static size rows + groups * align."""
     padded = ((sizes + align - 1) // align * align).clamp(min=align)
-    return group_positions(sizes, rows, padded.cumsum(0) - padded), padded.cumsum(0)
+    ends = padded.cumsum(0)
+    return group_positions(sizes, rows, ends - padded), ends
 
 
 def group_positions(sizes: torch.Tensor, rows: int, padded_starts: torch.Tensor) -> torch.Tensor:
