@@ -41,13 +41,7 @@ def slurm() -> Iterator[None]:
         pytest.skip("SLURM cannot be installed: start-slurm.sh needs root")
     if not shutil.which("apt-get") and not shutil.which("slurmctld"):
         pytest.skip("SLURM cannot be installed: no apt-get (Debian/Ubuntu) and no slurmctld on PATH")
-    start = subprocess.run(
-        ["bash", str(SCRIPTS / "start-slurm.sh")],
-        env={**os.environ, "SLURM_CI_NODES": "1"},  # the tests' one node of 2 CPUs, whatever the shell exported
-        capture_output=True,
-        text=True,
-        timeout=START_TIMEOUT_S,
-    )
+    start = start_cluster(nodes=1)  # the tests' one node of 2 CPUs, whatever SLURM_CI_NODES the shell exported
     if start.returncode != 0:
         output = (start.stdout + start.stderr)[-3000:]
         if not shutil.which("slurmctld"):
@@ -57,6 +51,29 @@ def slurm() -> Iterator[None]:
         yield
     finally:
         subprocess.run(["bash", str(SCRIPTS / "stop-slurm.sh")], capture_output=True, text=True, timeout=120)
+
+
+def start_cluster(nodes: int) -> subprocess.CompletedProcess:
+    """(Re)start the local cluster as `nodes` slurmd daemons (start-slurm.sh stops the ones it started before)."""
+    return subprocess.run(
+        ["bash", str(SCRIPTS / "start-slurm.sh")],
+        env={**os.environ, "SLURM_CI_NODES": str(nodes)},
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_nodes(slurm) -> Iterator[list[str]]:
+    """The local cluster as two nodes, n1 and n2 (a slurmd each, one CPU each), for one module; one node after it."""
+    start = start_cluster(nodes=2)
+    assert start.returncode == 0, (start.stdout + start.stderr)[-3000:]
+    try:
+        yield ["n1", "n2"]
+    finally:
+        start = start_cluster(nodes=1)
+        assert start.returncode == 0, (start.stdout + start.stderr)[-3000:]
 
 
 def tiny(*overrides: str) -> list[str]:

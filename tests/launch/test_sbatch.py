@@ -14,16 +14,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 # this machine: no GPU, 2 CPUs; command-line options override the templates' #SBATCH lines
 LOCAL = ["--gpus-per-node=0", "--time=5"]
+REQUEUE_STEPS = 100
+"""Long enough that the node fails mid-run (a step of the tiny model takes milliseconds)."""
+LAYOUT_RTOL = 1e-4
+"""fp32: two ranks summing one micro-batch each against one process summing two differ in the reduction order."""
 
 
-def run_sbatch(template: str, run_dir, *options: str, env: dict[str, str], timeout: float = 240) -> str:
-    """Submit, wait for the job to leave the queue (cancelled at the deadline), return its final state."""
+def submit(template: str, run_dir, *options: str, env: dict[str, str], run: tuple = ("parallel=ddp", "train.steps=3")):
+    """sbatch a launchers/ template for the tiny run with `run`'s overrides; its job id."""
     env = {"FORGE_PYTHON": sys.executable, "FORGE_RUN_DIR": str(run_dir), **env}
-    job = subprocess.run(
+    return subprocess.run(
         ["sbatch", "--parsable", *LOCAL, *options, f"--output={run_dir}.out", f"launchers/{template}",
-         "parallel=ddp", *tiny("train.steps=3")],
+         *tiny(*run)],
         cwd=ROOT, capture_output=True, text=True, check=True, env={**os.environ, **env},
     ).stdout.strip()  # fmt: skip
+
+
+def final_state(job: str, timeout: float = 240) -> str:
+    """Wait for the job to leave the queue (cancelled at the deadline), return its final state."""
     deadline = time.monotonic() + timeout
     while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
         if time.monotonic() > deadline:
@@ -39,6 +47,11 @@ def run_sbatch(template: str, run_dir, *options: str, env: dict[str, str], timeo
         time.sleep(0.5)
 
 
+def run_sbatch(template: str, run_dir, *options: str, env: dict[str, str]) -> str:
+    """Submit, wait for the job to leave the queue, return its final state."""
+    return final_state(submit(template, run_dir, *options, env=env))
+
+
 def test_sbatch_one_task_per_process_and_torchrun_per_node_agree(slurm, tmp_path):
     tasks_dir, torchrun_dir = tmp_path / "tasks", tmp_path / "torchrun"
     state = run_sbatch("slurm.sbatch", tasks_dir, "--ntasks-per-node=2", "--cpus-per-task=1", env={})
@@ -50,3 +63,46 @@ def test_sbatch_one_task_per_process_and_torchrun_per_node_agree(slurm, tmp_path
     assert sorted(losses(tasks_dir)) == [1, 2, 3]
     assert losses(tasks_dir) == losses(torchrun_dir)
     assert (state, state2) == ("COMPLETED", "COMPLETED")
+
+
+def test_a_job_requeued_after_a_node_failed_resumes_on_the_node_left(two_nodes, tmp_path):
+    """A job of two nodes, one rank each (FSDP over 2). Node n2 fails (set DOWN) mid-run; SLURM requeues the job
+    (the template's --requeue) and, as an operator would, the test shrinks the pending job to the node left
+    (`scontrol update JobId=... NumNodes=1 NumTasks=1 NumCPUs=1`). The requeued job starts on n1 and its one rank
+    resumes from the two ranks' last checkpoint with the same global batch (two micro-batches instead of one):
+    every step stays on the one-process curve up to the order of the reductions."""
+    run = ("parallel=fsdp", f"train.steps={REQUEUE_STEPS}")
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    ref = subprocess.run(
+        [sys.executable, "-m", "forge.train", *tiny(*run), f"hydra.run.dir={reference_dir}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    reference = losses(reference_dir)
+
+    job = submit("slurm.sbatch", run_dir, "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", env={}, run=run)
+    deadline = time.monotonic() + 180
+    while max(losses(run_dir), default=0) < 7:
+        assert time.monotonic() < deadline, f"job {job} never reached step 7"
+        time.sleep(0.05)
+    subprocess.run(["scontrol", "update", f"nodename={two_nodes[1]}", "state=down", "reason=forge-test"], check=True)
+    while job_state(job) != "PENDING":  # requeued after the node failure; it waits for two nodes
+        assert time.monotonic() < deadline, f"job {job} was not requeued: {job_state(job)}"
+        time.sleep(0.2)
+    shrink = ["scontrol", "update", f"jobid={job}", "numnodes=1", "numtasks=1", "numcpus=1"]
+    subprocess.run(shrink, check=True)
+    state = final_state(job, timeout=300)
+
+    out, log = (tmp_path / "run.out").read_text(), (run_dir / "forge.log").read_text()
+    assert state == "COMPLETED", (state, out[-3000:])
+    assert "FSDP over mesh {'dp_shard': 2}" in log and "grad accum 1" in log, log[-3000:]  # two ranks first ...
+    resumed = log[log.index("resumed from") :]
+    assert "grad accum 2" in resumed and "FSDP over mesh" not in resumed, resumed[:3000]  # ... then one
+    curve = losses(run_dir)
+    assert sorted(curve) == sorted(reference) == list(range(1, REQUEUE_STEPS + 1))
+    for step, loss in curve.items():
+        assert loss == pytest.approx(reference[step], rel=LAYOUT_RTOL), (step, loss, reference[step])
+
+
+def job_state(job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
