@@ -1,9 +1,13 @@
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.forked_cli import SERVER_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,8 +27,40 @@ def corpus():
     return EmbeddedCorpus(**options(EmbeddedDataConfig, cache_dir=os.environ["FORGE_CACHE_DIR"]))
 
 
+FORKED_CLI = ROOT / "tests" / "forked_cli.py"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(tmp_path_factory) -> Iterator[None]:
+    """The warm process that forge_cmd's commands are forked from (tests/forked_cli.py); FORGE_TEST_FRESH=1 runs
+    each in a fresh interpreter instead."""
+    if os.environ.get("FORGE_TEST_FRESH") == "1":
+        yield
+        return
+    path = tmp_path_factory.mktemp("fork_server") / "socket"
+    log = path.with_name("server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, str(FORKED_CLI), "--serve", str(path)], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not path.exists() and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the server binds first, then imports; clients wait in its queue
+    os.environ[SERVER_ENV] = str(path)
+    try:
+        yield
+    finally:
+        del os.environ[SERVER_ENV]
+        server.kill()
+        server.wait()
+        log.close()
+
+
 def forge_cmd(*args: str) -> list[str]:
-    """The forge-train command line, run with this interpreter."""
+    """The forge-train command line: forked from the warm server when it runs (the command's own process, output
+    and exit code; see tests/forked_cli.py), else `python -m forge.train` with this interpreter."""
+    if os.environ.get(SERVER_ENV):
+        return [sys.executable, str(FORKED_CLI), *args]
     return [sys.executable, "-m", "forge.train", *args]
 
 

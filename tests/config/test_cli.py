@@ -158,9 +158,10 @@ def test_a_choice_its_enum_does_not_have_is_one_line_and_exit_2(tmp_path):
 
 
 def imported_modules(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
-    """forge-train's exit, and the modules it imported (Python's -X importtime lists each on stderr)."""
+    """forge-train's exit, and the modules it imported (Python's -X importtime lists each on stderr): a fresh
+    interpreter, not forge_cmd's fork of one that imported torch already."""
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", *forge_cmd(*args, f"hydra.run.dir={tmp_path / 'run'}")[1:]],
+        [sys.executable, "-X", "importtime", "-m", "forge.train", *args, f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -11,6 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.conftest import forge_cmd
+
 GOLDEN = Path(__file__).with_name("curves.json")
 
 COMMON = [
@@ -56,7 +58,7 @@ tests/parallel/test_any_world.py, which the "default" curve here pins."""
 
 def command(name: str, extra: list[str] = ()) -> list[str]:
     case = CASES[name]
-    launcher = [sys.executable, "-m", "forge.train"]
+    launcher = forge_cmd()
     if case["ranks"] > 1:
         launcher = [
             sys.executable,

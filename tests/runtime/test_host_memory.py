@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from forge.runtime.host_memory import THP_SWITCH
-from tests.conftest import ROOT, forge_cmd
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the knob sets glibc's mallopt")
 
@@ -131,8 +131,8 @@ def test_huge_pages_cut_a_fresh_tensors_page_faults_where_asked_in_time():
 def test_the_command_applies_both_before_the_trainers_imports(tmp_path):
     """forge-train on one CPU process keeps its heap and gets huge pages: nothing it imports first allocates."""
     proc = subprocess.run(
-        forge_cmd("train.device=cpu", "train.steps=1", "train.eval_batches=1", "model.n_layers=1",
-                  f"hydra.run.dir={tmp_path}"),
+        [sys.executable, "-m", "forge.train", "train.device=cpu", "train.steps=1", "train.eval_batches=1",
+         "model.n_layers=1", f"hydra.run.dir={tmp_path}"],  # a fresh interpreter, not forge_cmd's warm fork
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
