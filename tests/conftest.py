@@ -40,12 +40,15 @@ def fork_server(tmp_path_factory) -> Iterator[None]:
     path = tmp_path_factory.mktemp("fork_server") / "socket"
     log = path.with_name("server.log").open("w")
     server = subprocess.Popen(
-        [sys.executable, str(FORKED_CLI), "--serve", str(path)], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
-        stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "tests.forked_cli", "--serve", str(path)], cwd=ROOT, stdin=subprocess.DEVNULL,
+        stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while not path.exists() and server.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # the server binds first, then imports; clients wait in its queue
+    if not path.exists() or server.poll() is not None:
+        server.kill()
+        pytest.fail(f"the fork server did not start: {path.with_name('server.log').read_text()[-3000:]}")
     os.environ[SERVER_ENV] = str(path)
     try:
         yield

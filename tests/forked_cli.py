@@ -14,6 +14,7 @@ from the server's in a variable outside FREE_ENV (torch and Hydra read some vari
 Only the standard library is imported here before the server forks: the client must start in milliseconds.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -49,25 +50,26 @@ def client(args: list[str]) -> None:
     request = json.dumps({"args": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
     socket.send_fds(sock, [request], [0, 1, 2])
     reply = sock.recv(MESSAGE).decode().split()
-    if reply == ["fresh"]:
+    if reply in ([], ["fresh"]):  # the server went before starting the command, or cannot run it
         sock.close()
         fresh(args)
     child = int(reply[1])  # "pid N"
     for sig in FORWARDED:
-        signal.signal(sig, lambda sig, _frame: os.kill(child, sig))
-    while True:
-        try:
-            reply = sock.recv(MESSAGE).decode().split()
-            break
-        except InterruptedError:
-            continue
-    if not reply:  # the server is gone
+        signal.signal(sig, lambda sig, _frame: forward(child, sig))
+    reply = sock.recv(MESSAGE).decode().split()
+    if not reply:  # the server's watcher is gone
         os._exit(1)
     how, number = reply[0], int(reply[1])
     if how == "signal":
-        signal.signal(number, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's disposition cannot be set; it kills all the same
+            signal.signal(number, signal.SIG_DFL)
         os.kill(os.getpid(), number)
     os._exit(number)
+
+
+def forward(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile; its status is on its way
+        os.kill(pid, sig)
 
 
 def changed(a: dict[str, str], b: dict[str, str]) -> set[str]:
@@ -86,18 +88,23 @@ def serve(path: str) -> None:
     started = dict(os.environ)
     warm_up()
     imported = {key: os.environ[key] for key in changed(started, dict(os.environ)) if key in os.environ}
+    handlers = {sig: signal.getsignal(sig) for sig in signal.valid_signals()}  # as a fresh interpreter has them
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the watchers are reaped by the kernel
     while True:
         conn, _ = listener.accept()
         if os.fork() == 0:
             listener.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            watch(conn, started, imported)
+            watch(conn, started, imported, handlers)
         conn.close()
 
 
 def warm_up() -> None:
     """What every run imports, and the meta device's first initialisation (it loads torch's reference ops)."""
+    import importlib
+
+    importlib.import_module("forge.runtime.commands")  # first, as in `python -m forge.train`: forge.runtime.exit
+    # registers its exit handler before torch's, so that it runs after them
     import torch
     import torch._dynamo  # noqa: F401 - the optimizer's first step imports it
     import torch.distributed.checkpoint  # noqa: F401
@@ -113,10 +120,13 @@ def warm_up() -> None:
         torch.nn.Embedding(8, 8)
 
 
-def watch(conn: socket.socket, started: dict[str, str], imported: dict[str, str]) -> None:
+def watch(conn: socket.socket, started: dict[str, str], imported: dict[str, str], handlers: dict) -> None:
     """In a fork of the server: start the command's process, pass its pid and then its exit status to the client,
     and kill its process group if the client goes first. `started` is the server's environment before its imports,
     `imported` what they set (torch sets TORCHINDUCTOR_CACHE_DIR), as they would in a fresh process."""
+    import select
+
+    pid = None
     try:
         message, fds, _, _ = socket.recv_fds(conn, MESSAGE, 3)
         request = json.loads(message)
@@ -125,39 +135,54 @@ def watch(conn: socket.socket, started: dict[str, str], imported: dict[str, str]
             os._exit(0)
         pid = os.fork()
         if pid == 0:
-            conn.close()
-            run(request, fds, imported)
+            try:
+                conn.close()
+                run(request, fds, imported, handlers)
+            except BaseException:
+                traceback_to_stderr()
+            finally:
+                os._exit(1)
+        with contextlib.suppress(OSError):
+            os.setpgid(pid, pid)  # (the command does it too): its group exists before the first kill
         for fd in fds:
             os.close(fd)
-        conn.send(f"pid {pid}".encode())
         pidfd = os.pidfd_open(pid)
-        import select
-
+        conn.send(f"pid {pid}".encode())
         poll = select.poll()
         poll.register(conn, select.POLLIN | select.POLLHUP)
         poll.register(pidfd, select.POLLIN)
-        while True:
-            ready = dict(poll.poll())
-            if pidfd in ready:
-                break
-            if conn.fileno() in ready:  # the client is gone (killed): so is the command
-                os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                os._exit(0)
+        while pidfd not in dict(ready := poll.poll()):
+            if any(fd == conn.fileno() for fd, _ in ready):  # the client is gone (killed): so is the command
+                raise ConnectionError
         _, status = os.waitpid(pid, 0)
+        pid = None
         if os.WIFSIGNALED(status):
             conn.send(f"signal {os.WTERMSIG(status)}".encode())
         else:
             conn.send(f"exit {os.waitstatus_to_exitcode(status)}".encode())
+    except BaseException:
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.waitpid(pid, 0)
     finally:
         os._exit(0)
 
 
-def run(request: dict, fds: list[int], imported: dict[str, str]) -> None:
+def traceback_to_stderr() -> None:
+    import traceback
+
+    with contextlib.suppress(BaseException):
+        traceback.print_exc()
+
+
+def run(request: dict, fds: list[int], imported: dict[str, str], handlers: dict) -> None:
     """In the command's process: its streams, directory, environment, signals and argv, then `python -m
     forge.train`'s run and interpreter exit."""
     import atexit
-    import contextlib
     import io
     import runpy
     import threading
@@ -170,26 +195,26 @@ def run(request: dict, fds: list[int], imported: dict[str, str]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"] | imported)
-    for sig in range(1, signal.NSIG):
-        if sig not in (signal.SIGKILL, signal.SIGSTOP):
-            try:
-                signal.signal(sig, signal.SIG_DFL)
-            except (OSError, ValueError):
-                continue
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig, handler in handlers.items():  # SIGPIPE and SIGXFSZ ignored, SIGINT raising KeyboardInterrupt, ...
+        if handler is not None:
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, handler)
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=unbuffered)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
     sys.argv = ["-m", *request["args"]]
     sys.path[0] = request["cwd"]
-    code = 0
+    code, interrupted = 0, False
     try:
-        runpy.run_module("forge.train", run_name="__main__", alter_sys=True)
+        runpy._run_module_as_main("forge.train")  # type: ignore[attr-defined] - what `python -m` calls
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
         if not isinstance(exit_.code, int | None):
             print(exit_.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code, interrupted = 1, True
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -198,6 +223,9 @@ def run(request: dict, fds: list[int], imported: dict[str, str]) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError):
             stream.flush()
+    if interrupted:  # as Python ends on an uncaught KeyboardInterrupt: killed by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
 
 

@@ -67,13 +67,15 @@ def start_cluster(nodes: int) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def two_nodes(slurm) -> Iterator[list[str]]:
     """The local cluster as two nodes, n1 and n2 (a slurmd each, one CPU each), for one module; one node after it."""
-    start = start_cluster(nodes=2)
-    assert start.returncode == 0, (start.stdout + start.stderr)[-3000:]
     try:
+        start = start_cluster(nodes=2)
+        assert start.returncode == 0, (start.stdout + start.stderr)[-3000:]
         yield ["n1", "n2"]
     finally:
-        start = start_cluster(nodes=1)
-        assert start.returncode == 0, (start.stdout + start.stderr)[-3000:]
+        back = start_cluster(nodes=1)  # the other SLURM modules' one node of 2 CPUs
+        if back.returncode != 0:
+            subprocess.run(["bash", str(SCRIPTS / "stop-slurm.sh")], capture_output=True, text=True, timeout=120)
+        assert back.returncode == 0, (back.stdout + back.stderr)[-3000:]
 
 
 def tiny(*overrides: str) -> list[str]:

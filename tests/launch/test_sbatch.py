@@ -83,19 +83,22 @@ def test_a_job_requeued_after_a_node_failed_resumes_on_the_node_left(two_nodes, 
     job = submit("slurm.sbatch", run_dir, "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", env={}, run=run)
     deadline = time.monotonic() + 180
     while max(losses(run_dir), default=0) < 7:
-        assert time.monotonic() < deadline, f"job {job} never reached step 7"
+        assert time.monotonic() < deadline and job_state(job), f"job {job} never reached step 7: {output(tmp_path)}"
         time.sleep(0.05)
-    subprocess.run(["scontrol", "update", f"nodename={two_nodes[1]}", "state=down", "reason=forge-test"], check=True)
-    while job_state(job) != "PENDING":  # requeued after the node failure; it waits for two nodes
-        assert time.monotonic() < deadline, f"job {job} was not requeued: {job_state(job)}"
+    down = ["scontrol", "update", f"nodename={two_nodes[1]}", "state=down", "reason=forge-test"]
+    subprocess.run(down, check=True, timeout=30)
+    assert max(losses(run_dir)) < REQUEUE_STEPS, "the job finished before the node failed"
+    while (state := job_state(job)) != "PENDING":  # requeued after the node failure; it waits for two nodes
+        assert state and time.monotonic() < deadline, f"job {job} was not requeued ({state!r}): {output(tmp_path)}"
         time.sleep(0.2)
     shrink = ["scontrol", "update", f"jobid={job}", "numnodes=1", "numtasks=1", "numcpus=1"]
-    subprocess.run(shrink, check=True)
+    subprocess.run(shrink, check=True, timeout=30)
     state = final_state(job, timeout=300)
 
-    out, log = (tmp_path / "run.out").read_text(), (run_dir / "forge.log").read_text()
-    assert state == "COMPLETED", (state, out[-3000:])
+    log = (run_dir / "forge.log").read_text()
+    assert state == "COMPLETED", (state, output(tmp_path))
     assert "FSDP over mesh {'dp_shard': 2}" in log and "grad accum 1" in log, log[-3000:]  # two ranks first ...
+    assert "resumed from" in log, log[-3000:]
     resumed = log[log.index("resumed from") :]
     assert "grad accum 2" in resumed and "FSDP over mesh" not in resumed, resumed[:3000]  # ... then one
     curve = losses(run_dir)
@@ -105,4 +108,11 @@ def test_a_job_requeued_after_a_node_failed_resumes_on_the_node_left(two_nodes, 
 
 
 def job_state(job: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    """RUNNING, PENDING, ...; empty once the job left the queue."""
+    squeue = ["squeue", "-h", "-j", job, "-o", "%T"]
+    return subprocess.run(squeue, capture_output=True, text=True, timeout=30).stdout.strip()
+
+
+def output(tmp_path) -> str:
+    out = tmp_path / "run.out"
+    return out.read_text()[-3000:] if out.exists() else "(no output yet)"
