@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked_cli import SERVER_ENV
+from tests.forked_cli import SERVER_ENV, SERVER_PID_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,10 +50,11 @@ def fork_server(tmp_path_factory) -> Iterator[None]:
         server.kill()
         pytest.fail(f"the fork server did not start: {path.with_name('server.log').read_text()[-3000:]}")
     os.environ[SERVER_ENV] = str(path)
+    os.environ[SERVER_PID_ENV] = str(server.pid)
     try:
         yield
     finally:
-        del os.environ[SERVER_ENV]
+        del os.environ[SERVER_ENV], os.environ[SERVER_PID_ENV]
         server.kill()
         server.wait()
         log.close()

@@ -23,12 +23,19 @@ import sys
 
 SERVER_ENV = "FORGE_TEST_FORK_SERVER"
 """The server's socket path, set in the pytest worker's environment while the server runs."""
+SERVER_PID_ENV = "FORGE_TEST_FORK_SERVER_PID"
+"""Its process id (/proc/PID/environ: the environment it started with)."""
 
-FREE_ENV = ("PYTHONUNBUFFERED", "PYTEST_", "FORGE_", "HYDRA_FULL_ERROR", "SLURM_", "WANDB_", "MLFLOW_")
+FREE_ENV = ("PYTHONUNBUFFERED", "PYTEST_", "FORGE_", "HYDRA_FULL_ERROR", "SLURM_", "WANDB_", "MLFLOW_", "HF_XET_")
 """Prefixes of the variables a command's environment may set otherwise than the server's: read when a run reads
 them, not when a module is imported."""
-SHELL_ENV = {"_", "PWD", "OLDPWD", "SHLVL"}
-"""What a shell sets for the commands it starts."""
+RUNTIME_ENV = {
+    *("_", "PWD", "OLDPWD", "SHLVL"),
+    *("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+    *("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "CUBLAS_WORKSPACE_CONFIG"),
+}
+"""What a shell sets for the commands it starts, and what torch reads when a process group is made (forge sets
+some of them in the process that runs an in-process test)."""
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 MESSAGE = 1 << 20
@@ -76,8 +83,12 @@ def changed(a: dict[str, str], b: dict[str, str]) -> set[str]:
     return set(a) ^ set(b) | {key for key in a if key in b and a[key] != b[key]}
 
 
-def environment_differs(env: dict[str, str], started: dict[str, str]) -> bool:
-    return any(not key.startswith(FREE_ENV) for key in changed(env, started) - SHELL_ENV)
+def differing_environment(env: dict[str, str], started: dict[str, str], imported: dict[str, str]) -> list[str]:
+    """The variables of `env` that the server's imports could have read otherwise. A variable its imports set
+    (`imported`) may hold the value they set: a fresh run sets the same before its imports (forge.runtime.host_memory's
+    huge-page switch)."""
+    keys = changed(env, started) - RUNTIME_ENV
+    return sorted(k for k in keys if not k.startswith(FREE_ENV) and not (k in imported and env.get(k) == imported[k]))
 
 
 def serve(path: str) -> None:
@@ -105,6 +116,9 @@ def warm_up() -> None:
 
     importlib.import_module("forge.runtime.commands")  # first, as in `python -m forge.train`: forge.runtime.exit
     # registers its exit handler before torch's, so that it runs after them
+    from forge.runtime.host_memory import ask_huge_pages
+
+    ask_huge_pages()  # before torch's first CPU allocation, as the command does (train.cpu_huge_pages)
     import torch
     import torch._dynamo  # noqa: F401 - the optimizer's first step imports it
     import torch.distributed.checkpoint  # noqa: F401
@@ -130,7 +144,9 @@ def watch(conn: socket.socket, started: dict[str, str], imported: dict[str, str]
     try:
         message, fds, _, _ = socket.recv_fds(conn, MESSAGE, 3)
         request = json.loads(message)
-        if environment_differs(request["env"], started):
+        differing = differing_environment(request["env"], started, imported)
+        if differing:
+            print(f"fresh interpreter for a command: its environment differs in {differing}", file=sys.stderr)
             conn.send(b"fresh")
             os._exit(0)
         pid = os.fork()

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import FORKED_CLI, ROOT, forge_cmd, one_line
 from tests.faults.conftest import RUN
-from tests.forked_cli import SERVER_ENV
+from tests.forked_cli import SERVER_ENV, SERVER_PID_ENV
 from tests.tiny import losses
 
 
@@ -31,6 +31,14 @@ def cmdline(pid: int) -> list[str]:
     return argv.decode().split("\0")
 
 
+def server_environment() -> dict[str, str]:
+    """The environment the server started with (a test run in this worker before may have changed os.environ, and
+    a command whose environment differs where the imports read it starts fresh)."""
+    pid = os.environ[SERVER_PID_ENV]
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    return dict(pair.split("=", 1) for pair in pairs if "=" in pair) | {SERVER_ENV: os.environ[SERVER_ENV]}
+
+
 def test_a_refused_config_prints_the_same_line_and_exit_code_as_a_fresh_interpreter(tmp_path):
     args = ["train.steps=-1", f"hydra.run.dir={tmp_path}"]
     forked = subprocess.run(forge_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -42,7 +50,7 @@ def test_a_refused_config_prints_the_same_line_and_exit_code_as_a_fresh_interpre
 def test_sigterm_reaches_the_command_which_checkpoints_and_exits_75(tmp_path):
     proc = subprocess.Popen(
         forge_cmd(*RUN, "train.steps=400", "checkpoint.interval=0", f"hydra.run.dir={tmp_path}"),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_environment(),
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while max(losses(tmp_path), default=0) < 3:

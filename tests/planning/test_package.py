@@ -4,12 +4,12 @@ spec and never imports the trainer."""
 import subprocess
 import sys
 
-from tests.conftest import ROOT, forge_cmd
+from tests.conftest import ROOT
 
 
 def test_plan_and_search_run_without_the_trainer(tmp_path):
     for flags in (["--plan"], ["--plan", "--search"]):
-        cmd = [sys.executable, "-X", "importtime", *forge_cmd(*flags, "parallel.world_size=8")[1:]]
+        cmd = [sys.executable, "-X", "importtime", "-m", "forge.train", *flags, "parallel.world_size=8"]  # fresh
         done = subprocess.run([*cmd, f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                               timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
