@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, forge_cmd
 from tests.launch.conftest import losses, tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -33,7 +33,7 @@ def submit(template: str, run_dir, *options: str, env: dict[str, str], run: tupl
 def final_state(job: str, timeout: float = 240) -> str:
     """Wait for the job to leave the queue (cancelled at the deadline), return its final state."""
     deadline = time.monotonic() + timeout
-    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+    while job_state(job):
         if time.monotonic() > deadline:
             subprocess.run(["scancel", job])
             pytest.fail(f"sbatch job {job} did not finish in {timeout:.0f} s")
@@ -74,7 +74,7 @@ def test_a_job_requeued_after_a_node_failed_resumes_on_the_node_left(two_nodes, 
     run = ("parallel=fsdp", f"train.steps={REQUEUE_STEPS}")
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     ref = subprocess.run(
-        [sys.executable, "-m", "forge.train", *tiny(*run), f"hydra.run.dir={reference_dir}"],
+        forge_cmd(*tiny(*run), f"hydra.run.dir={reference_dir}"),
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
