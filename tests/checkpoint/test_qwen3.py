@@ -24,10 +24,11 @@ from forge.checkpoint.convert import save_as
 from forge.checkpoint.hf_load import load_hf_into
 from forge.checkpoint.hf_save import save_hf_from
 from forge.config import compose
+from forge.models.common.kv_cache import KVCache
 from forge.models.llama import TransformerArgs
 from forge.models.llama.args import MoEArgs
 from forge.models.llama.hf_config import args_to_hf_config, hf_config_to_args
-from forge.models.llama.transformer import KVCache, build_transformer
+from forge.models.llama.transformer import build_transformer
 from forge.planning.report import plan_report
 from forge.train.trainer import Trainer
 from tests.checkpoint.test_convert import TINY

@@ -5,8 +5,8 @@ import torch
 
 from forge.generate.engine import generate
 from forge.generate.sampling import filter_logits, next_token
+from forge.models.common.kv_cache import KVCache
 from forge.models.llama import TransformerArgs, build_transformer
-from forge.models.llama.transformer import KVCache
 
 VOCAB = 97
 

@@ -18,7 +18,8 @@ import torch
 from forge.config import ConfigError, compose, validate
 from forge.data.documents import document_ids
 from forge.models.common.attention import DocumentMask, attend, flex_block_mask, layer_masks
-from forge.models.llama.transformer import KVCache, Transformer, TransformerArgs
+from forge.models.common.kv_cache import KVCache
+from forge.models.llama.transformer import Transformer, TransformerArgs
 from forge.train.trainer import Trainer
 from tests.tiny import TINY_MODEL, losses
 

@@ -87,7 +87,7 @@ def test_a_family_is_named_nowhere_else_in_the_source(folder):
 
 def test_a_parallel_dimension_the_family_lacks_is_refused_in_one_line():
     """The spec's `parallel` says which dimensions a family runs; another is refused before its own rules."""
-    for dim in ("pp", "cp"):
+    for dim in ("pp", "ep"):
         cfg = compose(["model=gpt2_tiny", f"parallel.{dim}=2", "parallel.world_size=2"])
         with pytest.raises(ConfigError, match=rf"parallel.{dim}=2 is not supported by the gpt2 model family"):
             validate(cfg)

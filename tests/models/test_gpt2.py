@@ -1,5 +1,6 @@
-"""GPT-2 (forge.models.gpt2) against transformers' GPT2LMHeadModel, through the family's HF adapter both ways; its
-seeded initialisation; its tensor-parallel plan on 2 gloo ranks against one process; its config rules."""
+"""GPT-2 (forge.models.gpt2) against transformers' GPT2LMHeadModel, through the family's HF adapter both ways, and in
+greedy decoding with its KV cache; its seeded initialisation; its tensor-parallel plan on 2 gloo ranks against one
+process; its config rules."""
 
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from forge.checkpoint.errors import CheckpointError
 from forge.config.degrees import Degrees
 from forge.config.errors import ConfigError
+from forge.generate.engine import generate
 from forge.models.gpt2.args import GPT2Args
 from forge.models.gpt2.hf import GPT2HF
 from forge.models.gpt2.model import GPT2
@@ -59,10 +61,11 @@ def tokens(batch: int = 2, seq: int = 24, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def test_transformers_weights_give_transformers_logits():
+def transformers_and_ours(seed: int = 1) -> tuple[GPT2LMHeadModel, GPT2]:
+    """A perturbed transformers GPT-2 and ours holding its weights, read through the family's adapter."""
     torch.manual_seed(0)
     config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)
-    hf = perturbed_(GPT2LMHeadModel(config), 1).eval()
+    hf = perturbed_(GPT2LMHeadModel(config), seed).eval()
     folder = {name: value for name, value in hf.state_dict().items() if name != "lm_head.weight"}
     folder["transformer.h.0.attn.bias"] = torch.ones(1, 1, 64, 64)  # the mask buffer of older exports: ignored
     args = ADAPTER.config_to_args(config.to_dict())
@@ -74,11 +77,32 @@ def test_transformers_weights_give_transformers_logits():
         for key, value in ours.state_dict().items()
     }
     ours.load_state_dict(state)
+    return hf, ours
+
+
+def test_transformers_weights_give_transformers_logits():
+    hf, ours = transformers_and_ours()
     x = tokens()
     with torch.no_grad():
         logits = ours(x)
         assert_logits_close(logits, hf(x).logits)
         torch.testing.assert_close(ours(x, head=False) @ ours.output.weight.T, logits)
+
+
+def test_it_decodes_with_the_kv_cache_as_transformers_does():
+    """forge-generate's engine through the family's cache: transformers' greedy tokens for each prompt, the same
+    alone and left-padded in a batch, and the same as recomputing the whole sequence each step."""
+    hf, ours = transformers_and_ours(seed=3)
+    prompts = [tokens(1, 11, seed=4)[0].tolist(), tokens(1, 5, seed=5)[0].tolist()]
+    new = 12
+    batched = generate(ours, prompts, max_new_tokens=new)
+    for prompt, got in zip(prompts, batched, strict=True):
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0)
+        assert got == theirs[0, len(prompt) :].tolist()
+        assert generate(ours, [prompt], max_new_tokens=new) == [got]
+        assert generate(ours, [prompt], max_new_tokens=new, use_cache=False) == [got]
+    assert len(set(map(tuple, batched))) == 2  # the prompts lead apart: a cache that mixed them would show
 
 
 def test_a_box_of_the_fused_projection_reads_its_columns_of_each_part():
@@ -217,7 +241,7 @@ def test_check_refuses_fp8_and_passes_a_tp_layout():
     cfg.parallel.fp8 = True
     with pytest.raises(ConfigError, match="parallel.fp8=true is not supported with a GPT-2 model"):
         check(cfg, degrees())
-    assert SPEC.parallel == {"tp"}  # pp, cp and ep: refused by the generic validation
+    assert SPEC.parallel == {"tp", "cp"}  # pp and ep: refused by the generic validation
 
 
 @pytest.mark.parametrize(

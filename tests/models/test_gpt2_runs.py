@@ -1,10 +1,11 @@
-"""GPT-2 end to end through the generic machinery, which knows it only by its spec: it trains on the embedded
-corpus, fsdp / tp2 / tp2 x fsdp2 on gloo ranks match one process, a Hugging Face folder transformers wrote warm
-starts it with transformers' logits, its save_hf export loads in transformers with forge's logits, and `--plan` /
+"""GPT-2 end to end through the generic machinery, which knows it only by its spec: it trains on the embedded corpus,
+fsdp / tp2 / cp2 / tp2 x fsdp2 / tp2 x cp2 on gloo ranks match one process, a Hugging Face folder transformers wrote
+warm starts it with transformers' logits, its save_hf export loads in transformers with forge's logits, and `--plan` /
 `--plan --search` cost it."""
 
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from forge.checkpoint.convert import load_pretrained
 from forge.checkpoint.hf_load import load_hf_into
 from forge.config import compose
+from forge.generate.load import run_config_of, tokenizer_of
 from forge.train.build import build_meta_model, materialize
 from tests.conftest import ROOT, forge_cmd
 from tests.parallel.harness import launch
@@ -42,23 +44,28 @@ def test_it_trains_on_the_embedded_corpus(reference):
 
 
 @pytest.mark.dist
-def test_fsdp_and_tp2_match_one_process(reference, tmp_path):
-    """Two gloo ranks: FSDP shards the fused projection's rows; tp2 splits its heads (the family's own plan)."""
-    layouts = {"fsdp": [*GPT2, "parallel=fsdp"], "tp2": [*GPT2, "parallel=tp2"]}
+def test_fsdp_tp2_and_cp2_match_one_process(reference, tmp_path):
+    """Two gloo ranks: FSDP shards the fused projection's rows; tp2 splits its heads (the family's own plan); cp2
+    splits each sequence, the positions and the keys each rank attends over following it."""
+    layouts = {"fsdp": [*GPT2, "parallel=fsdp"], "tp2": [*GPT2, "parallel=tp2"], "cp2": [*GPT2, "parallel=cp2"]}
     runs = launch(run_scenarios, 2, layouts, str(tmp_path))[0]
     assert runs["fsdp"]["wq_placements"] == ["S(0)"]
     assert runs["tp2"]["wq_placements"] == ["S(2)"]  # c_attn (dim, q/k/v, dim): each rank its heads of each
+    # cp2: each rank half of every sequence, its attention layers gathering the keys (the family's gather_kv slot)
     for name in layouts:
         assert runs[name]["local_params"] < 0.7 * runs[name]["params"], name
         assert_same_curves(runs[name], reference["one"])
 
 
 @pytest.mark.dist
-def test_tp2_fsdp_matches_one_process(reference, tmp_path):
-    runs = launch(run_scenarios, 4, {"tp2_fsdp": [*GPT2, "parallel=tp2_fsdp"]}, str(tmp_path))[0]
+def test_tp2_fsdp_and_tp2_cp2_match_one_process(reference, tmp_path):
+    layouts = {"tp2_fsdp": [*GPT2, "parallel=tp2_fsdp"], "tp2_cp2": [*GPT2, "parallel=cp2", "parallel.tp=2"]}
+    runs = launch(run_scenarios, 4, layouts, str(tmp_path))[0]
     assert runs["tp2_fsdp"]["wq_placements"] == ["S(0)", "S(2)"]
-    assert runs["tp2_fsdp"]["local_params"] < 0.4 * runs["tp2_fsdp"]["params"]
-    assert_same_curves(runs["tp2_fsdp"], reference["one"])
+    assert runs["tp2_cp2"]["wq_placements"][-1] == "S(2)"
+    for name in layouts:
+        assert runs[name]["local_params"] < 0.4 * runs[name]["params"], name
+        assert_same_curves(runs[name], reference["one"])
 
 
 def transformers_gpt2(vocab: int) -> GPT2LMHeadModel:
@@ -93,7 +100,8 @@ def test_a_folder_transformers_wrote_loads_with_its_logits(tmp_path):
 
 def test_the_run_exports_a_folder_transformers_loads(tmp_path):
     """`forge-train model=gpt2_tiny checkpoint.save_hf=true` as a user types it (steps shortened): transformers'
-    from_pretrained gives the logits of forge's own model from the run's checkpoint."""
+    from_pretrained gives the logits of forge's own model from the run's checkpoint, and forge-generate on the run
+    gives transformers' greedy tokens."""
     run_dir = tmp_path / "run"
     cmd = forge_cmd(*GPT2, "train.steps=3", "train.dtype=fp32", "train.eval_batches=1", "checkpoint.save_final=true",
                     "checkpoint.save_hf=true", f"hydra.run.dir={run_dir}")  # fmt: skip
@@ -106,11 +114,22 @@ def test_the_run_exports_a_folder_transformers_loads(tmp_path):
     tokens = torch.randint(0, ours.args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert_logits_close(ours(tokens), hf(tokens).logits)
+    # forge-generate on the run decodes what transformers' greedy search on the export does
+    prompt = "ROMEO. O, she doth"
+    gen = subprocess.run([sys.executable, "-m", "forge.generate.cli", f"checkpoint={run_dir}", f"prompt={prompt!r}",
+                          "max_new_tokens=10", "format=jsonl", "stop_at_eos=false"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    tokenizer, _ = tokenizer_of(run_dir, run_config_of(run_dir))
+    ids = tokenizer.encode(prompt).ids
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert json.loads(gen.stdout.splitlines()[0])["tokens"] == theirs[0, len(ids) :].tolist()
 
 
 def test_plan_and_search_cost_it(tmp_path):
     """--plan prints the family's FLOPs (its cost) for GPT-2 small on 64 ranks; the search proposes only the
-    dimensions the family runs (tp, data parallelism), and its winner validates."""
+    dimensions the family runs (tp, cp, data parallelism), and its winner validates."""
     plan = subprocess.run(forge_cmd("model=gpt2_124m", "parallel.world_size=64", "train.seq_len=1024", "--plan",
                                     f"hydra.run.dir={tmp_path}"), cwd=ROOT, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
@@ -123,6 +142,6 @@ def test_plan_and_search_cost_it(tmp_path):
                                       f"hydra.run.dir={tmp_path}"), cwd=ROOT, capture_output=True, text=True,
                             timeout=300)  # fmt: skip
     assert search.returncode == 0, search.stderr[-2000:]
-    rows = [line for line in search.stdout.splitlines() if " pp1 ep1 cp1 " in line or " pp" in line]
-    assert rows and all(" pp1 ep1 cp1 " in row for row in rows), rows
+    rows = [line for line in search.stdout.splitlines() if " pp" in line and " ep" in line]
+    assert rows and all(" pp1 ep1 " in row for row in rows), rows
     assert any(" tp2 " in row or " tp4 " in row for row in rows), rows

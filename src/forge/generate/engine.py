@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from forge.generate.sampling import next_token
-from forge.models.llama.transformer import KVCache
+from forge.models.common.kv_cache import KVCache
 from forge.models.spec import spec_of
 
 

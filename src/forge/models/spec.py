@@ -13,7 +13,11 @@ built model only through this module protocol:
   by `tie_weights()` after allocation);
 - `args`: the arguments it was built from;
 - `forward(tokens, attn_mask=None, head=True)`: logits (batch, seq, vocab), or with head=False the final-norm hidden
-  states that a chunked loss multiplies by `output.weight` itself;
+  states that a chunked loss multiplies by `output.weight` itself; a family that decodes (`ModelSpec.generate`)
+  also takes `cache` (forge.models.common.kv_cache.KVCache) and `positions` (batch, seq);
+- context parallelism (`"cp"` in `ModelSpec.parallel`): each attention layer holds a `gather_kv` slot (None) that
+  forge.parallel.context_parallel fills, passes it to forge.models.common.attention.visible_keys, and the model
+  reads its tokens' positions from a DocumentMask's `queries`;
 - `init_weights(seed)`, `init_specs()`, `init_buffers()`, `tie_weights()`: initialisation, identical whatever the
   layout (forge.models.common.init_spec, forge.parallel.init).
 """

@@ -17,8 +17,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from forge.models.common.attention import DocumentMask
-from forge.models.llama.latent_attention import LatentAttention
-from forge.models.llama.transformer import Attention
 from forge.parallel.applied import Applied, logged
 
 
@@ -84,9 +82,12 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> Applied:
-    """Make every attention layer gather the keys and values of the whole sequence from the cp group."""
+    """Make every attention layer gather the keys and values of the whole sequence from the cp group: the layers
+    that declare a `gather_kv` slot (forge.models.spec's module protocol)."""
     group = cp_mesh.get_group()
-    layers = [module for module in model.modules() if isinstance(module, Attention | LatentAttention)]
+    layers = [module for module in model.modules() if hasattr(module, "gather_kv")]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no attention layer with a gather_kv slot for context parallelism")
     for attention in layers:
         attention.gather_kv = lambda t: _GatherSequence.apply(t, group)
     detail = (

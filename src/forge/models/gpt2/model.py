@@ -7,13 +7,15 @@ reshapes with -1 heads: a rank holding some heads runs the same code. No dropout
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge.models.common.attention import DocumentMask, Mask, attend, layer_masks
+from forge.models.common.attention import DocumentMask, Mask, attend, layer_masks, visible_keys
 from forge.models.common.init_spec import ONES, ZEROS, InitSpec, apply_specs, fill_whole_, prefixed
+from forge.models.common.kv_cache import KVCache, cached_causal_mask
 from forge.models.gpt2.args import GPT2Args
 
 
@@ -41,11 +43,16 @@ class Attention(nn.Module):
         self.head_dim = args.head_size
         self.c_attn = Conv1D(args.dim, (3, args.dim))
         self.c_proj = Conv1D(args.dim, (args.dim,))
+        # (batch, heads, part, head_dim) -> the whole sequence's, set by context parallelism
+        self.gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, attn_mask: Mask = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, attn_mask: Mask = None, cache: KVCache | None = None, layer_id: int = 0
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         qkv = self.c_attn(x).view(batch, seq, 3, -1, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (batch, heads, seq, head_dim)
+        k, v = visible_keys(k, v, cache, layer_id, self.gather_kv)
         out = attend(q, k, v, attn_mask)
         return self.c_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -75,15 +82,16 @@ def layer_norm_specs(name: str) -> dict[str, InitSpec]:
 class Block(nn.Module):
     """Pre-norm block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self, args: GPT2Args):
+    def __init__(self, layer_id: int, args: GPT2Args):
         super().__init__()
+        self.layer_id = layer_id
         self.ln_1 = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.attn = Attention(args)
         self.ln_2 = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, attn_mask: Mask = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_mask)
+    def forward(self, x: torch.Tensor, attn_mask: Mask = None, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask, cache, self.layer_id)
         return x + self.mlp(self.ln_2(x))
 
     def init_specs(self, std: float, out_std: float) -> dict[str, InitSpec]:
@@ -103,7 +111,7 @@ class GPT2(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(i, args) for i in range(args.n_layers)})
         self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -148,20 +156,35 @@ class GPT2(nn.Module):
             fill_whole_(tensor, specs[name], seed, name)
 
     def forward(
-        self, tokens: torch.Tensor, attn_mask: torch.Tensor | DocumentMask | None = None, head: bool = True
+        self,
+        tokens: torch.Tensor,
+        attn_mask: torch.Tensor | DocumentMask | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
         """tokens (batch, seq) ids -> logits (batch, seq, vocab).
 
         attn_mask: None (causal), a boolean (batch, 1, seq, seq) mask, True where attention is allowed (already
-        causal), or the DocumentMask of packed samples (each document attends within itself; positions still count
-        from the start of the sequence, as GPT-2 trained on packed text).
+        causal; with a cache it spans (batch, 1, seq, cached + seq)), or the DocumentMask of packed samples (each
+        document attends within itself; positions still count from the start of the sequence, as GPT-2 trained on
+        packed text). A DocumentMask with `queries` says which positions of the whole sequences `tokens` are
+        (context parallelism).
+        cache: a KVCache to read past keys/values from and append these positions to (incremental decoding).
+        positions: optional (batch, seq) positions; default cache.length + 0..seq-1 (0.. without a cache).
         head: False returns the final-norm hidden states instead of logits (a chunked loss applies the head).
         """
         batch, seq = tokens.shape
-        positions = torch.arange(seq, device=tokens.device)
+        if positions is None and isinstance(attn_mask, DocumentMask) and attn_mask.queries is not None:
+            positions = attn_mask.queries[None]  # part of each sequence: its tokens keep their positions
+        if positions is None:
+            past = cache.length if cache is not None else 0
+            positions = torch.arange(past, past + seq, device=tokens.device)[None]
+        if attn_mask is None and cache is not None:
+            attn_mask = cached_causal_mask(cache, seq, tokens.device)
         h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         mask = layer_masks(attn_mask, [None], False, batch, seq, tokens.device)[None]
         for block in self.layers.values():
-            h = block(h, mask)
+            h = block(h, mask, cache)
         h = self.norm(h)
         return self.output(h) if head else h

@@ -27,8 +27,8 @@ def plain_args(model: DictConfig) -> GPT2Args:
 
 
 def check(cfg: DictConfig, degrees: Degrees) -> None:
-    """Every rule of the family, raising ConfigError naming the keys (the parallel dimensions it lacks, pp, cp and
-    ep, are refused by `SPEC.parallel`)."""
+    """Every rule of the family, raising ConfigError naming the keys (the parallel dimensions it lacks, pp and ep,
+    are refused by `SPEC.parallel`)."""
     args = plain_args(cfg.model)
     dim, heads, hidden, tp = args.dim, args.n_heads, args.hidden_dim, degrees.tp
     require(dim % heads == 0, f"model.dim={dim} is not divisible by model.n_heads={heads}")
@@ -56,6 +56,6 @@ SPEC = ModelSpec(
     tensor_parallel=apply_tensor_parallel,
     cost=GPT2Cost(),
     hf=GPT2HF(),
-    parallel=frozenset({"tp"}),
-    generate=False,
+    parallel=frozenset({"tp", "cp"}),
+    generate=True,
 )

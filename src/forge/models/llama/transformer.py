@@ -13,31 +13,12 @@ from torch import nn
 from forge.models.common.attention import DocumentMask, Mask, attend, layer_masks, layer_window, visible_keys
 from forge.models.common.feed_forward import FeedForward
 from forge.models.common.init_spec import ONES, InitSpec, apply_specs, fill_piece_, prefixed, trunc_normal
+from forge.models.common.kv_cache import KVCache, cached_causal_mask
 from forge.models.common.moe import MoE
 from forge.models.common.moe.experts import GroupedExperts
 from forge.models.common.rope import apply_rope, rope_tables
 from forge.models.llama.args import TransformerArgs
 from forge.models.llama.latent_attention import LatentAttention
-
-
-class KVCache:
-    """Keys and values of the positions already seen, per layer id, so incremental decoding feeds only new tokens."""
-
-    def __init__(self):
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @property
-    def length(self) -> int:
-        """Positions cached so far (the same in every layer)."""
-        return next(iter(self.layers.values()))[0].shape[2] if self.layers else 0
-
-    def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append (batch, heads, new, head_dim) keys and values; return all of this layer's so far."""
-        if layer_id in self.layers:
-            past_k, past_v = self.layers[layer_id]
-            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        self.layers[layer_id] = (k, v)
-        return k, v
 
 
 class Attention(nn.Module):
@@ -266,10 +247,8 @@ class Transformer(nn.Module):
             if positions is None:
                 positions = torch.arange(cache.length, cache.length + seq, device=h.device)[None]
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            if attn_mask is None and cache is not None:  # causal, aligned to the end of the cached keys
-                past = cache.length
-                keys = torch.arange(past + seq, device=h.device)
-                attn_mask = (keys[None, :] <= past + torch.arange(seq, device=h.device)[:, None])[None, None]
+            if attn_mask is None and cache is not None:
+                attn_mask = cached_causal_mask(cache, seq, h.device)
         windows = {key: layer_window(self.args.sliding_window, int(key)) for key in self.layers}
         flex = self.args.attention == "flex"
         masks = layer_masks(attn_mask, windows.values(), flex, h.shape[0], seq, h.device)

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from forge.models.common.init_spec import InitSpec, prefixed
+from forge.models.common.kv_cache import KVCache
 from forge.models.llama.args import TransformerArgs
-from forge.models.llama.transformer import KVCache, Transformer
+from forge.models.llama.transformer import Transformer
 from forge.models.vlm.connector import build_connector, connector_init_specs
 from forge.models.vlm.encoder import VisionTower, build_tiny_encoder, load_vision_tower
 

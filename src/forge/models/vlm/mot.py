@@ -6,9 +6,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge.models.common.init_spec import InitSpec, prefixed
+from forge.models.common.kv_cache import KVCache
 from forge.models.common.rope import apply_rope
 from forge.models.llama.args import TransformerArgs
-from forge.models.llama.transformer import KVCache, TransformerBlock
+from forge.models.llama.transformer import TransformerBlock
 from forge.models.vlm.base import PrefixVLM
 
 
