@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from forge.config.schema import CrossAttentionVLMConfig, MoMaVLMConfig, VLMConfig, options
+from forge.config.schema import options
 from forge.models.llama.transformer import Transformer
 from forge.models.vlm import CrossAttentionVLM, JointDecoderVLM, MoMaVLM, MoTVLM
+from forge.models.vlm.args import CrossAttentionVLMConfig, MoMaVLMConfig, VLMConfig
 from forge.models.vlm.base import VLMCache
 from forge.models.vlm.connector import build_connector
 from forge.models.vlm.encoder import VisionTower, build_tiny_encoder, load_vision_tower
@@ -216,7 +217,7 @@ def test_activation_checkpointing_recomputes_each_layer_and_keeps_the_gradients(
     equal those of the plain model."""
     import copy
 
-    from forge.parallel.vlm import parallelize_vlm
+    from forge.models.vlm.parallelize import parallelize_vlm
 
     plain = build(STRATEGIES[strategy], text_args, encoders["clip"]).train()
     if strategy == "cross_attention":

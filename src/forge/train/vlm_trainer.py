@@ -5,10 +5,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from forge.models.vlm.parallelize import parallelize_vlm
 from forge.parallel import dist
 from forge.parallel.init import materialize_sharded
 from forge.parallel.plan import mixed_precision_policy
-from forge.parallel.vlm import parallelize_vlm
 from forge.train import build
 from forge.train.freeze import FreezeSchedule
 from forge.train.steps import VLMStep

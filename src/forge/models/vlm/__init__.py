@@ -1,9 +1,19 @@
-"""Vision-language models: a vision tower, a connector and the text decoder, combined by one of four strategies."""
+"""Vision-language models: a vision tower, a connector and the text decoder, combined by one of four strategies.
 
-from forge.models.vlm.base import VisionLanguageModel
-from forge.models.vlm.cross_attention import CrossAttentionVLM
-from forge.models.vlm.joint import JointDecoderVLM
-from forge.models.vlm.moma import MoMaVLM
-from forge.models.vlm.mot import MoTVLM
+The folder holds the strategies' modules, their arguments (`args`, the vlm group's schema), their rules (`check`)
+and their parallel plan (`parallelize`). The arguments import without torch; the modules on first use."""
+
+from forge.lazy import lazy_exports
 
 __all__ = ["CrossAttentionVLM", "JointDecoderVLM", "MoMaVLM", "MoTVLM", "VisionLanguageModel"]
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "VisionLanguageModel": "forge.models.vlm.base",
+        "CrossAttentionVLM": "forge.models.vlm.cross_attention",
+        "JointDecoderVLM": "forge.models.vlm.joint",
+        "MoMaVLM": "forge.models.vlm.moma",
+        "MoTVLM": "forge.models.vlm.mot",
+    },
+)

@@ -10,9 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge.models.common.init_spec import ONES, ZEROS, InitSpec, trunc_normal
-
-POOLING_CONNECTORS = ("avgpool", "attnpool")
-"""Connectors that reduce an image's tokens to vlm.connector_tokens."""
+from forge.models.vlm.args import POOLING_CONNECTORS
 
 
 class LinearConnector(nn.Module):
@@ -76,7 +74,7 @@ def build_connector(kind: str, width: int, dim: int, tokens: int | None) -> nn.M
         if not tokens or tokens < 1:
             raise ValueError(f"vlm.connector={kind} needs vlm.connector_tokens >= 1 (got {tokens})")
         return AvgPoolConnector(width, dim, tokens) if kind == "avgpool" else AttnPoolConnector(width, dim, tokens)
-    raise ValueError(f"vlm.connector={kind!r} is not a connector (forge.config.schema.Connector lists them)")
+    raise ValueError(f"vlm.connector={kind!r} is not a connector (forge.models.vlm.args.Connector lists them)")
 
 
 def connector_init_specs(module: nn.Module, std: float = 0.02) -> dict[str, InitSpec]:
