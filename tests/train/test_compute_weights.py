@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from forge.config import compose
 from forge.metrics.memory import peak_live_tensor_bytes
 from forge.models.llama import TransformerArgs, build_transformer
-from forge.train.compute_weights import ComputeWeights
+from forge.train.compute_weights import SUM_PIECE, ComputeWeights, add_in_pieces
 from forge.train.losses import CrossEntropyLoss
 from forge.train.steps import TextStep
 from forge.train.trainer import Trainer
@@ -68,6 +68,16 @@ def test_gradients_are_the_fp32_sums_of_a_bf16_models_and_the_weights_stay_fp32(
         assert torch.equal(p.grad, expected[name]), name
     # summed in bf16 instead, three micro-batches' gradients would differ from the fp32 sum
     assert any(not torch.equal(expected[n].bfloat16().float(), expected[n]) for n in expected)
+
+
+def test_a_gradient_added_in_pieces_is_the_plain_sum_bit_for_bit():
+    """Several pieces and a short last one: each element is the fp32 sum the cross-dtype add_ gives."""
+    generator = torch.Generator().manual_seed(3)
+    total = torch.randn(2 * SUM_PIECE + 1234, generator=generator).view(-1, 2)
+    grad = torch.randn(total.shape, generator=generator).bfloat16()
+    want = total.clone().add_(grad)
+    add_in_pieces(total, grad, torch.empty(SUM_PIECE))
+    assert torch.equal(total, want)
 
 
 def test_fixed_copies_are_reused_step_after_step_and_stay_exact():
