@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from forge.config.schema import CrossAttentionVLMConfig, VLMConfig, options
+from forge.config.schema import options
 from forge.models.llama.args import TransformerArgs
 from forge.models.vlm import CrossAttentionVLM, JointDecoderVLM, MoTVLM
+from forge.models.vlm.args import CrossAttentionVLMConfig, VLMConfig
 from forge.models.vlm.base import VLMCache
 from forge.models.vlm.encoder import build_tiny_encoder
 from forge.parallel.init import materialize_sharded

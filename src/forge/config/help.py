@@ -156,9 +156,9 @@ def reference_page() -> str:
         "# Config reference",
         "",
         "Generated from the schemas' field docstrings by `python -m forge.config.help` (forge/config/schema.py and the",
-        "model families' arguments classes); `tests/config/test_help.py` fails when this page is stale. `forge-train",
-        "--help` prints one line per field with the value the command would run; `forge-train --cfg job` prints the",
-        "whole composed config.",
+        "arguments classes of the model families and the VLMs); `tests/config/test_help.py` fails when this page is",
+        "stale. `forge-train --help` prints one line per field with the value the command would run; `forge-train",
+        "--cfg job` prints the whole composed config.",
         "",
     ]
     for name, cls in documented_classes().items():

@@ -22,7 +22,7 @@ from forge.config.schema import (
     stages_per_rank,
 )
 from forge.models.spec import PARALLEL_DIMS, spec_of
-from forge.models.vlm.check import check as check_vlm
+from forge.models.vlm.args import POOLING_CONNECTORS
 from forge.parallel.env import read_dist_env
 
 
@@ -362,15 +362,34 @@ def validate_fault_injection(cfg: DictConfig, world_size: int) -> None:
 
 
 def validate_vlm(cfg: DictConfig, degrees: Degrees) -> None:
-    """Image/video data needs a VLM; a VLM's own rules are its folder's (forge.models.vlm.check)."""
-    if cfg.get("vlm") is None:
+    """A VLM needs image/video data and vice versa; VLMs run data-parallel (FSDP) only, eager, on a grouped-query
+    attention decoder; a pooling connector needs its token count. (Rules between the vlm group and the others:
+    the VLM folder holds the strategies' arguments and plan, forge.models.vlm.)"""
+    vlm = cfg.get("vlm")
+    media_data = composed_from(cfg.data, VLMDataConfig)
+    if vlm is None:
         require(
-            not composed_from(cfg.data, VLMDataConfig),
+            not media_data,
             "an image/video data option needs a vision-language model: add vlm=joint_decoder "
             "(or cross_attention, mot, moma)",
         )
         return
-    check_vlm(cfg, degrees)
+    require(media_data, "vlm is set but the data has no images: use data=vqa_embedded, video_embedded or image_text")
+    for name in PARALLEL_DIMS:
+        value = getattr(degrees, name)
+        require(value == 1, f"parallel.{name}={value} is not supported with a VLM (data parallelism and FSDP only)")
+    for key in ("compile", "fp8"):
+        require(not cfg.parallel[key], f"parallel.{key}=true is not supported with a VLM yet")
+    require(
+        cfg.model.get("attention_kind", "gqa") == "gqa",
+        "model.attention_kind=mla is not supported with a VLM (its decoders build grouped-query attention)",
+    )
+    if vlm.connector in POOLING_CONNECTORS:
+        require(vlm.connector_tokens is not None, f"vlm.connector={vlm.connector} needs vlm.connector_tokens >= 1")
+    require(
+        cfg.data.max_frames >= cfg.data.min_frames,
+        f"data.max_frames={cfg.data.max_frames} >= data.min_frames={cfg.data.min_frames} >= 1 must hold",
+    )
 
 
 def validate_context_parallel(cfg: DictConfig, degrees: Degrees) -> None:

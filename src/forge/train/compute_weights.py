@@ -21,9 +21,10 @@ class ComputeWeights:
     accumulated it, and then freed (a post-accumulate-grad hook): micro-batches sum in fp32, and no whole-model
     low-precision gradient is held. On exit the parameters hold their fp32 tensors again, with the fp32 gradients,
     for the clipping, the optimizer and the checkpoints, which never see the copies. The copies are freed on exit:
-    between steps the model costs what it cost before. Within one, the copies are alive while the backward needs
-    them, as autocast's casts would be, plus those of the weights autocast does not cast (the embedding, the norms:
-    2 bytes per parameter) and, for a moment, one parameter's low-precision gradient beside its fp32 sum.
+    between steps the model costs what it cost before (on a CPU, plus one 4 MiB buffer: add_in_pieces). Within one,
+    the copies are alive while the backward needs them, as autocast's casts would be, plus those of the weights
+    autocast does not cast (the embedding, the norms: 2 bytes per parameter) and, for a moment, one parameter's
+    low-precision gradient beside its fp32 sum.
 
     With `fixed`, the copies are written into the same tensors every scope (allocated in the first) instead:
     replayed CUDA graphs (parallel.cuda_graphs) read the weights at the addresses they were recorded with. Between
@@ -84,7 +85,7 @@ class ComputeWeights:
             self.grads[p] = grad.float()
         elif grad.is_cpu and grad.is_contiguous() and self.grads[p].is_contiguous():
             if self.scratch is None:
-                self.scratch = torch.empty(SUM_PIECE, dtype=self.grads[p].dtype)
+                self.scratch = torch.empty(SUM_PIECE, dtype=self.grads[p].dtype, device=grad.device)
             add_in_pieces(self.grads[p], grad, self.scratch)
         else:
             self.grads[p].add_(grad)

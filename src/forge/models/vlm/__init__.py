@@ -1,7 +1,8 @@
 """Vision-language models: a vision tower, a connector and the text decoder, combined by one of four strategies.
 
-The folder holds the strategies' modules, their arguments (`args`, the vlm group's schema), their rules (`check`)
-and their parallel plan (`parallelize`). The arguments import without torch; the modules on first use."""
+The folder holds the strategies' modules, their arguments (`args`, the vlm group's schema) and their parallel plan
+(`parallelize`); their rules span groups (data, parallel, model) and live in forge.config.validate. The arguments
+import without torch; the modules on first use."""
 
 from forge.lazy import lazy_exports
 
