@@ -10,7 +10,7 @@ import torch
 
 from forge.config import compose, validate
 from forge.planning.report import plan_report
-from forge.planning.search.cost import Layout, ModelShape, predict
+from forge.planning.search.cost import Layout, Links, ModelShape, latency_share, predict
 from forge.planning.search.devices import DEVICES, GIB
 from forge.planning.search.report import search, search_report, settings_of, valid
 from forge.train import build
@@ -125,7 +125,10 @@ def test_terms_follow_their_formulas():
     shared = dataclasses.replace(h100, shares_cores=True)  # ranks sharing a CPU host's cores: no idle bubble
     pooled = predict(Layout(1, 32, 1, 2, 1, "none", 2, "1f1b", 2), shape, cfg.train, shared, settings)
     assert two.seconds["bubble"] > 0 and pooled.seconds["bubble"] == 0
-    assert pooled.step == pytest.approx(two.step - two.seconds["bubble"], rel=1e-6)
+    # and its data-parallel collectives run on the cores that compute: none hidden behind the backward
+    assert two.seconds["exposed_dp"] < pooled.seconds["exposed_dp"]
+    hidden = pooled.seconds["exposed_dp"] - two.seconds["exposed_dp"]
+    assert pooled.step == pytest.approx(two.step - two.seconds["bubble"] + hidden, rel=1e-6)
     # a calibrated latency (ranks sharing a CPU host's cores wait a time slice per collective) replaces the table's
     slow = dataclasses.replace(h100, latency_s=5e-3)
     for layout in (fsdp, Layout(1, 8, 8, 1, 1, "none", 1)):  # inter-node FSDP; TP inside a node, FSDP across
@@ -134,6 +137,17 @@ def test_terms_follow_their_formulas():
         assert calls == pytest.approx(round(calls)) and calls > 0
         assert table.seconds["latency"] < measured.seconds["latency"]
         assert measured.step - table.step == pytest.approx(measured.seconds["latency"] - table.seconds["latency"])
+    # measured over 8 ranks: groups of 8 pay all of it, tp2's collectives log2(2) / log2(8) of it
+    over8 = dataclasses.replace(slow, latency_ranks=8)
+    tp8, tp2 = Layout(1, 8, 8, 1, 1, "none", 1), Layout(1, 32, 2, 1, 1, "none", 1)
+    for layout, share in ((tp8, 1.0), (tp2, 1 / 3)):
+        whole, scaled = (predict(layout, shape, cfg.train, dev, settings) for dev in (slow, over8))
+        links = Links(layout, over8, settings)
+        assert links.latency_share["tp"] == pytest.approx(share)
+        assert links.seconds("tp", 0.0, 1)[1] == pytest.approx(share * 5e-3)
+        assert scaled.seconds["latency"] <= whole.seconds["latency"]
+    assert [latency_share(g, 8) for g in (1, 2, 4, 8, 64)] == pytest.approx([1, 1 / 3, 2 / 3, 1, 1])
+    assert latency_share(4, None) == latency_share(4, 1) == 1.0
 
 
 def test_long_sequences_make_the_search_split_them_over_context_parallel_ranks():

@@ -16,7 +16,8 @@ head, on the last stage) from forge.planning.flops:
     replicate  = (n x c; without FSDP 1, or n in a pipeline) x 2 (r - 1) / r x 4 P_rank / link: the gradient
                  all-reduce over dp_replicate
     exposed dp = max(0, fsdp + replicate - compute - recompute) + one block's gather per micro-batch: FSDP prefetch
-                 and the backward hide the rest
+                 and the backward hide the rest; all of fsdp + replicate on a CPU host whose ranks share its
+                 cores (Device.shares_cores: gloo moves and sums the bytes on the cores that compute)
     tp         = n x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
                  all-reduces (as sequence-parallel all-gather + reduce-scatter) of micro x seq_len x dim
                  activations, 2 (tp - 1) / tp of them per rank, and on the last stage the cross-entropy's three
@@ -35,13 +36,15 @@ head, on the last stage) from forge.planning.flops:
                  zero-bubble schedules: forge.planning.memory.bubble_fraction);
                  none on a CPU host whose ranks share its cores (Device.shares_cores: the waiting rank's cores
                  serve the busy ones)
-    latency    = every collective's launch (10 us inside a node, 30 us across; a calibrated profile's measured latency)
+    latency    = every collective's launch (10 us inside a node, 30 us across; a calibrated profile's measured latency,
+                 scaled by log2(group) / log2(the ranks it was measured over) for a smaller group: latency_share)
 
 Links: a mesh dimension whose ranks span at most gpus_per_node consecutive ranks uses the intra-node bandwidth,
 else the inter-node one (mesh order pp, dp_replicate, dp_shard, cp, tp: tp innermost; ep is the inner part of
 dp_shard). Peak memory per rank is forge.planning.memory.estimate_memory's, the one `--plan` prints.
 """
 
+import math
 from dataclasses import dataclass
 
 from forge.config.degrees import Degrees, defers_grad_sync
@@ -181,10 +184,24 @@ class Links:
         self.bandwidth = {dim: (intra if kind == "intra" else inter) * settings.comm_efficiency
                           for dim, kind in self.kind.items()}  # fmt: skip
         self.latency = {kind: device.latency_s or LATENCY_S[kind] for kind in LATENCY_S}
+        groups = {"tp": tp, "cp": cp, "ep": layout.ep, "dp_shard": shard * cp, "dp_replicate": rep, "pp": 2}
+        measured = device.latency_ranks if device.latency_s else None
+        self.latency_share = {dim: latency_share(size, measured) for dim, size in groups.items()}
 
     def seconds(self, dim: str, nbytes: float, calls: float) -> tuple[float, float]:
         """(transfer seconds, launch latency seconds) of `calls` collectives moving `nbytes` per rank in all."""
-        return nbytes / self.bandwidth[dim], calls * self.latency[self.kind[dim]]
+        return nbytes / self.bandwidth[dim], calls * self.latency[self.kind[dim]] * self.latency_share[dim]
+
+
+def latency_share(group: int, measured_over: int | None) -> float:
+    """The share of a calibrated collective latency (measured over `measured_over` ranks) that one collective of
+    `group` ranks pays: log2(group) / log2(measured_over), as the rounds of a tree or of recursive doubling, at
+    most 1 (a larger group than the calibration's is charged the measured latency). Measured on 8 gloo ranks
+    sharing 2 cores, charging every tp2 collective the 8-rank latency put the tensor-parallel layouts 1.4-1.6x
+    above their measured step times (benchmarks/search/predict_vs_measured.py --ranks 8)."""
+    if not measured_over or measured_over < 2 or group < 2:
+        return 1.0
+    return min(1.0, math.log2(group) / math.log2(measured_over))
 
 
 def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settings: SearchSettings,
@@ -270,7 +287,9 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             seconds, lat = links.seconds("dp_replicate", moved["replicate_all_reduce"], syncs * len(blocks))
             hidden += seconds
             latency += lat
-        t["exposed_dp"] += max(0.0, hidden - busy)
+        # the backward hides the data-parallel collectives, but not on a CPU whose ranks share its cores: there
+        # gloo moves and sums the bytes on the cores that compute
+        t["exposed_dp"] += hidden if device.shares_cores else max(0.0, hidden - busy)
         per_tp = 6 if layout.activation_checkpoint == "full" else 4
         if layout.tp > 1:
             t_share = (layout.tp - 1) / layout.tp

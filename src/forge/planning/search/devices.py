@@ -29,10 +29,14 @@ class Device:
     shares_cores: bool = False
     """A CPU host whose ranks outnumber its cores (a calibrated profile says so): a rank that waits in a
     pipeline's bubble leaves its cores to the busy ones, so the bubble costs no time (the per-rank rate was
-    measured with every rank computing at once)."""
+    measured with every rank computing at once), and the data-parallel collectives, which gloo runs on the same
+    cores, are not hidden behind the backward."""
     latency_s: float | None = None
     """Seconds of one small collective (a calibrated profile measures it); None: forge.planning.search.cost.LATENCY_S, a
     GPU's launch inside and across nodes."""
+    latency_ranks: int | None = None
+    """The ranks latency_s was measured over (a calibrated profile's world size): a smaller group's collectives are
+    charged less of it (forge.planning.search.cost.latency_share)."""
 
     def peak_flops(self, dtype: str) -> float:
         flops = self.peaks.get(dtype) if self.peaks else table_peak(self.name, dtype)
@@ -76,4 +80,6 @@ def device_from_profile(path: str | Path) -> Device:
         raise ValueError(f"search.profile={path}: shares_cores is {shares!r}, not true or false")
     latency = profile.get("collective_latency_s")
     latency = positive(latency, "collective_latency_s") if latency is not None else None
-    return Device(name, positive(profile.get("memory_gib"), "memory_gib"), intra, inter, peaks, shares, latency)
+    ranks = profile.get("world_size")
+    ranks = int(positive(ranks, "world_size")) if ranks is not None and latency is not None else None
+    return Device(name, positive(profile.get("memory_gib"), "memory_gib"), intra, inter, peaks, shares, latency, ranks)
