@@ -36,6 +36,7 @@ def test_the_profile_holds_measured_rates(profile):
     assert data["peak_flops"]["fp32"] > 1e8 and data["memory_gib"] > 0
     assert 0 < data["collective_latency_s"] < 1
     assert device_from_profile(profile).latency_s == data["collective_latency_s"]  # the search's links use it
+    assert device_from_profile(profile).latency_ranks == data["world_size"] == 2  # measured over the 2 ranks
     assert data["shares_cores"] == (2 * data["threads"] > available_cores())  # 2 ranks here: on 2 cores, true
 
 
@@ -63,6 +64,10 @@ def test_the_search_predicts_with_the_profile(profile):
         (
             '{"peak_flops": {"fp32": 1e9}, "inter_node": 1e9, "memory_gib": 8, "collective_latency_s": -1}',
             "collective_latency_s is -1",
+        ),
+        (
+            '{"peak_flops": {"fp32": 1e9}, "inter_node": 1e9, "memory_gib": 8, "world_size": 2.5}',
+            "world_size is 2.5, not a positive integer",
         ),
     ],
 )

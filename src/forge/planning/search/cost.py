@@ -197,8 +197,8 @@ def latency_share(group: int, measured_over: int | None) -> float:
     """The share of a calibrated collective latency (measured over `measured_over` ranks) that one collective of
     `group` ranks pays: log2(group) / log2(measured_over), as the rounds of a tree or of recursive doubling, at
     most 1 (a larger group than the calibration's is charged the measured latency). Measured on 8 gloo ranks
-    sharing 2 cores, charging every tp2 collective the 8-rank latency put the tensor-parallel layouts 1.4-1.6x
-    above their measured step times (benchmarks/search/predict_vs_measured.py --ranks 8)."""
+    sharing 2 cores, charging every tp2 and tp4 collective the 8-rank latency put the tensor-parallel layouts
+    1.4-1.5x above their measured step times (benchmarks/search/predict_vs_measured.py --ranks 8)."""
     if not measured_over or measured_over < 2 or group < 2:
         return 1.0
     return min(1.0, math.log2(group) / math.log2(measured_over))
@@ -278,7 +278,8 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             seconds, lat = links.seconds("dp_shard", nbytes, collectives)
             hidden += seconds
             latency += lat
-            t["exposed_dp"] += seconds / max(3 * len(blocks), 1)  # each micro-batch's first gather
+            if not device.shares_cores:  # there all of it is exposed, below
+                t["exposed_dp"] += seconds / max(3 * len(blocks), 1)  # each micro-batch's first gather
         if layout.dp_replicate > 1:
             # FSDP reduces after each chunk; DDP once, but a pipeline's schedule reduces at the end of each of its
             # steps (one per micro-batch) whatever the sync setting says

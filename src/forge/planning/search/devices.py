@@ -81,5 +81,7 @@ def device_from_profile(path: str | Path) -> Device:
     latency = profile.get("collective_latency_s")
     latency = positive(latency, "collective_latency_s") if latency is not None else None
     ranks = profile.get("world_size")
-    ranks = int(positive(ranks, "world_size")) if ranks is not None and latency is not None else None
+    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1):
+        raise ValueError(f"search.profile={path}: world_size is {ranks!r}, not a positive integer")
+    ranks = ranks if latency is not None else None
     return Device(name, positive(profile.get("memory_gib"), "memory_gib"), intra, inter, peaks, shares, latency, ranks)
