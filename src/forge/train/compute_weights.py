@@ -93,9 +93,8 @@ class ComputeWeights:
 
 SUM_PIECE = 1 << 20
 """Elements per piece when a CPU adds a low-precision gradient into its fp32 sum. An in-place add across dtypes
-takes torch's casting loop, several times slower on a CPU than a copy into fp32 and a plain fp32 add (7x for 8M
-elements, bf16 into fp32, in benchmarks/moe/speed.py's setting); a piece of this size is one small reused buffer
-(4 MiB) that stays in cache."""
+takes torch's casting loop, several times slower on a CPU than a copy into fp32 and a plain fp32 add (the MoE
+step's profile in benchmarks/moe/speed.py shows it); a piece of this size is one small reused buffer (4 MiB)."""
 
 
 def add_in_pieces(total: torch.Tensor, grad: torch.Tensor, scratch: torch.Tensor) -> None:

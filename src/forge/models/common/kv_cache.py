@@ -5,6 +5,8 @@ with it (forge-generate, `ModelSpec.generate`)."""
 
 import torch
 
+from forge.models.common.attention import DocumentMask, Mask
+
 
 class KVCache:
     """Keys and values of the positions already seen, per layer id, so incremental decoding feeds only new tokens."""
@@ -31,3 +33,23 @@ def cached_causal_mask(cache: KVCache, seq: int, device: torch.device) -> torch.
     past = cache.length
     keys = torch.arange(past + seq, device=device)
     return (keys[None, :] <= past + torch.arange(seq, device=device)[:, None])[None, None]
+
+
+def token_positions(
+    attn_mask: Mask | DocumentMask,
+    cache: KVCache | None,
+    positions: torch.Tensor | None,
+    seq: int,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, Mask | DocumentMask]:
+    """(positions, mask) of `seq` new tokens: the positions given, else those a DocumentMask's `queries` name (part
+    of each sequence: context parallelism), else after the cache's (decoding), else None (0..seq-1); with a cache
+    and no mask, the causal mask aligned to the end of the cached keys."""
+    if positions is None and isinstance(attn_mask, DocumentMask) and attn_mask.queries is not None:
+        positions = attn_mask.queries[None]
+    if cache is not None:
+        if positions is None:
+            positions = torch.arange(cache.length, cache.length + seq, device=device)[None]
+        if attn_mask is None:
+            attn_mask = cached_causal_mask(cache, seq, device)
+    return positions, attn_mask

@@ -15,7 +15,7 @@ from torch import nn
 
 from forge.models.common.attention import DocumentMask, Mask, attend, layer_masks, visible_keys
 from forge.models.common.init_spec import ONES, ZEROS, InitSpec, apply_specs, fill_whole_, prefixed
-from forge.models.common.kv_cache import KVCache, cached_causal_mask
+from forge.models.common.kv_cache import KVCache, token_positions
 from forge.models.gpt2.args import GPT2Args
 
 
@@ -175,13 +175,9 @@ class GPT2(nn.Module):
         head: False returns the final-norm hidden states instead of logits (a chunked loss applies the head).
         """
         batch, seq = tokens.shape
-        if positions is None and isinstance(attn_mask, DocumentMask) and attn_mask.queries is not None:
-            positions = attn_mask.queries[None]  # part of each sequence: its tokens keep their positions
+        positions, attn_mask = token_positions(attn_mask, cache, positions, seq, tokens.device)
         if positions is None:
-            past = cache.length if cache is not None else 0
-            positions = torch.arange(past, past + seq, device=tokens.device)[None]
-        if attn_mask is None and cache is not None:
-            attn_mask = cached_causal_mask(cache, seq, tokens.device)
+            positions = torch.arange(seq, device=tokens.device)[None]
         h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         mask = layer_masks(attn_mask, [None], False, batch, seq, tokens.device)[None]
         for block in self.layers.values():

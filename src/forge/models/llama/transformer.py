@@ -13,7 +13,7 @@ from torch import nn
 from forge.models.common.attention import DocumentMask, Mask, attend, layer_masks, layer_window, visible_keys
 from forge.models.common.feed_forward import FeedForward
 from forge.models.common.init_spec import ONES, InitSpec, apply_specs, fill_piece_, prefixed, trunc_normal
-from forge.models.common.kv_cache import KVCache, cached_causal_mask
+from forge.models.common.kv_cache import KVCache, token_positions
 from forge.models.common.moe import MoE
 from forge.models.common.moe.experts import GroupedExperts
 from forge.models.common.rope import apply_rope, rope_tables
@@ -239,16 +239,11 @@ class Transformer(nn.Module):
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None and self.embeds_tokens else tokens
         seq = h.shape[1]
-        if positions is None and isinstance(attn_mask, DocumentMask) and attn_mask.queries is not None:
-            positions = attn_mask.queries[None]  # part of each sequence: its tokens keep their positions
-        if positions is None and cache is None:
+        positions, attn_mask = token_positions(attn_mask, cache, positions, seq, h.device)
+        if positions is None:
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         else:
-            if positions is None:
-                positions = torch.arange(cache.length, cache.length + seq, device=h.device)[None]
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            if attn_mask is None and cache is not None:
-                attn_mask = cached_causal_mask(cache, seq, h.device)
         windows = {key: layer_window(self.args.sliding_window, int(key)) for key in self.layers}
         flex = self.args.attention == "flex"
         masks = layer_masks(attn_mask, windows.values(), flex, h.shape[0], seq, h.device)

@@ -196,9 +196,9 @@ class Links:
 def latency_share(group: int, measured_over: int | None) -> float:
     """The share of a calibrated collective latency (measured over `measured_over` ranks) that one collective of
     `group` ranks pays: log2(group) / log2(measured_over), as the rounds of a tree or of recursive doubling, at
-    most 1 (a larger group than the calibration's is charged the measured latency). Measured on 8 gloo ranks
-    sharing 2 cores, charging every tp2 and tp4 collective the 8-rank latency put the tensor-parallel layouts
-    1.4-1.5x above their measured step times (benchmarks/search/predict_vs_measured.py --ranks 8)."""
+    most 1 (a larger group than the calibration's is charged the measured latency). Charging a tp2 collective the
+    latency of all the calibrating ranks overprices tensor parallelism (benchmarks/search/predict_vs_measured.py
+    compares both against measured step times)."""
     if not measured_over or measured_over < 2 or group < 2:
         return 1.0
     return min(1.0, math.log2(group) / math.log2(measured_over))
