@@ -70,3 +70,41 @@ def test_float8_keeps_routers_and_odd_shapes_in_high_precision():
     assert float8_filter(shared, "layers.1.feed_forward.shared_experts.w1")
     assert not float8_filter(odd, "layers.0.attention.wq")  # 40 is not a multiple of 16
     assert not float8_filter(shared, "output")
+
+
+def test_emulated_float8_matmuls_give_the_float8_kernels_results():
+    """Off CUDA the float8 linears are emulated (forge.parallel.plan.apply_float8): the same float8 operands and
+    scales multiplied in fp32. They match torch's `_scaled_mm` kernel up to fp32 summation order: each output
+    element differs by at most k * 2**-24 times the sum of its products' magnitudes (k terms), forward and backward."""
+    import copy
+
+    import torch
+    from torch import nn
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from forge.config.degrees import Degrees
+    from forge.parallel.plan import apply_float8
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": nn.Linear(64, 96, bias=False)})
+    kernel = copy.deepcopy(model)
+    apply_float8(model, Degrees(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1), torch.device("cpu"))
+    convert_to_float8_training(kernel, config=Float8LinearConfig(emulate=False))
+    assert model.layers["0"].config.emulate and not kernel.layers["0"].config.emulate
+
+    x = torch.randn(32, 64)
+    grad_out = torch.randn(32, 96)
+    results = []
+    for m in (model, kernel):
+        xi = x.clone().requires_grad_()
+        out = m.layers["0"](xi)
+        out.backward(grad_out)
+        results.append((out, xi.grad, m.layers["0"].weight.grad))
+    weight = model.layers["0"].weight.detach()
+    # |a| @ |b| of the full-precision operands; float8 rounding moves each by at most 1/8 (e5m2), so x1.3 covers it
+    magnitudes = (x.abs() @ weight.abs().T, grad_out.abs() @ weight.abs(), grad_out.abs().T @ x.abs())
+    for (emulated, ref), size, k in zip(zip(*results, strict=True), magnitudes, (64, 96, 32), strict=True):
+        assert not torch.equal(emulated, torch.zeros_like(emulated))
+        bound = k * 2**-24 * 1.3 * size + 1e-30
+        assert ((emulated - ref).abs() <= bound).all(), (emulated - ref).abs().max()

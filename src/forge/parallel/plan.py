@@ -69,7 +69,7 @@ def parallelize(
     applied: list[Applied | None] = []
     float8_first = parallel_cfg.fp8 and degrees.tp > 1  # the family's TP plan then splits them with float8 styles
     if float8_first:
-        applied.append(apply_float8(model, degrees))
+        applied.append(apply_float8(model, degrees, device))
     if degrees.tp > 1:
         applied.append(spec_of(model).tensor_parallel(model, mesh["tp"]))  # the family's own plan
     if degrees.cp > 1:
@@ -79,7 +79,7 @@ def parallelize(
         applied.append(apply_expert_parallel(model, mesh, degrees, parallel_cfg.ep_chunks))
     applied.append(apply_global_router_loads(model, mesh))
     if parallel_cfg.fp8 and not float8_first:
-        applied.append(apply_float8(model, degrees))
+        applied.append(apply_float8(model, degrees, device))
     if parallel_cfg.activation_checkpoint != "none":
         applied.append(apply_activation_checkpointing(model, parallel_cfg.activation_checkpoint))
     if parallel_cfg.compile:
@@ -141,15 +141,20 @@ def apply_sequence_router_counts(model: nn.Module, cp_mesh: DeviceMesh) -> Appli
     return logged(Applied("router_counts", detail, {"cp": cp_mesh.size()}))
 
 
-def apply_float8(model: nn.Module, degrees: Degrees) -> Applied:
-    """Swap the blocks' nn.Linear layers for torchao's Float8Linear (the output head stays in high precision)."""
+def apply_float8(model: nn.Module, degrees: Degrees, device: torch.device) -> Applied:
+    """Swap the blocks' nn.Linear layers for torchao's Float8Linear (the output head stays in high precision).
+
+    Off CUDA the float8 matmuls are emulated: the same float8 operands and scales, multiplied in fp32 (a product of
+    two float8 values is exact in fp32, so only the summation order differs from a float8 kernel). torch's CPU
+    `_scaled_mm` is a reference kernel hundreds of times slower than an fp32 matmul
+    (benchmarks/train/fp8_cpu.py)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:
         raise RuntimeError("parallel.fp8=true needs torchao: pip install torchao") from err
     convert_to_float8_training(
         model,
-        config=Float8LinearConfig(enable_fsdp_float8_all_gather=degrees.fsdp_shard > 1),
+        config=Float8LinearConfig(enable_fsdp_float8_all_gather=degrees.fsdp_shard > 1, emulate=device.type != "cuda"),
         module_filter_fn=float8_filter,
     )
     detail = "float8 training of the blocks' linear layers (torchao; MoE routers and odd shapes stay high precision)"
