@@ -135,7 +135,7 @@ class ParallelConfig:
     (torch._inductor.config._micro_pipeline_tp). Needs parallel.tp > 1, parallel.compile=true and CUDA GPUs
     (NCCL); refused on a CPU."""
     fp8: bool = False
-    """Float8 training of linear layers through torchao (needs a GPU with fp8, or runs slowly on CPU)."""
+    """Float8 training of linear layers through torchao (needs a GPU with fp8; a CPU emulates the float8 matmuls)."""
     world_size: Optional[int] = domain(None, ge=1, means="null: from the environment")
     """Expected number of processes; None reads it from torchrun's or SLURM's environment."""
     param_dtype: Optional[MixedPrecisionDtype] = None
