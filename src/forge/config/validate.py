@@ -254,7 +254,7 @@ def validate_parallel(cfg: DictConfig, degrees: Degrees) -> None:
             local_batch % micro == 0,
             f"train.micro_batch_size={local_batch} is not divisible by parallel.microbatches={micro}",
         )
-    if parallel.fp8 and cuda_available():
+    if parallel.fp8 and cfg.train.device != "cpu" and cuda_available():  # a CPU run emulates float8 matmuls
         import torch
 
         require(

@@ -144,10 +144,9 @@ def apply_sequence_router_counts(model: nn.Module, cp_mesh: DeviceMesh) -> Appli
 def apply_float8(model: nn.Module, degrees: Degrees, device: torch.device) -> Applied:
     """Swap the blocks' nn.Linear layers for torchao's Float8Linear (the output head stays in high precision).
 
-    Off CUDA the float8 matmuls are emulated: the same float8 operands and scales, multiplied in fp32 (a product of
-    two float8 values is exact in fp32, so only the summation order differs from a float8 kernel). torch's CPU
-    `_scaled_mm` is a reference kernel hundreds of times slower than an fp32 matmul
-    (benchmarks/train/fp8_cpu.py)."""
+    Off CUDA the float8 matmuls are emulated: the same float8 operands, dequantised in fp32 and multiplied there;
+    only fp32 roundings and the summation order differ from a float8 kernel. torch's CPU `_scaled_mm` is a
+    reference kernel hundreds of times slower than an fp32 matmul (benchmarks/train/fp8_cpu.py)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:
