@@ -16,6 +16,11 @@ os.environ.setdefault("FORGE_CACHE_DIR", str(Path.home() / ".cache" / "forge"))
 # Inductor compiles in this process (and in the runs it starts) instead of a pool of workers that each import
 # torch again: on 2 cores the pool costs more than it saves, and a forked rank's pool could hang.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# OpenMP threads that wait for work sleep instead of spinning. The two pytest workers and the ranks they start
+# share 2 cores: a spinning thread burns the core another process needs (two runs side by side are several times
+# slower spinning, one run alone is not: benchmarks/train/omp_wait.py). Read once, when torch loads OpenMP: set
+# here before any test imports torch, and inherited by every process a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
