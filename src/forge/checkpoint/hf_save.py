@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from forge.checkpoint.hf import hf_adapter, whole_shapes
 from forge.checkpoint.hf_load import decoder_args
 from forge.checkpoint.stages import whole_model_names
+from forge.config.schema import CheckpointConfig
 from forge.parallel.init import plain_name
 
 log = logging.getLogger("forge")
@@ -137,15 +138,15 @@ def _replace(staging: Path, folder: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def hf_export_dir(cfg, run_dir: Path) -> Path:
+def hf_export_dir(cfg: CheckpointConfig, run_dir: Path) -> Path:
     """checkpoint.hf_dir, relative to the run directory unless absolute."""
     path = Path(cfg.hf_dir).expanduser()
     return path if path.is_absolute() else Path(run_dir) / path
 
 
-def save_run_hf(cfg, run_dir: Path, model: nn.Module, tokenizer=None) -> Path | None:
+def save_run_hf(cfg: CheckpointConfig, run_dir: Path, model: nn.Module, tokenizer=None) -> Path | None:
     """The end of a run: the final weights as a Hugging Face folder when checkpoint.save_hf is set (`cfg` is the
     checkpoint config). Collective."""
-    if not cfg.get("save_hf", False):
+    if not cfg.save_hf:
         return None
     return save_hf_from(model, hf_export_dir(cfg, run_dir), tokenizer)

@@ -58,6 +58,7 @@ from forge.checkpoint.resume_check import Change, check_resume_config
 from forge.checkpoint.rng import rng_state, set_rng_state
 from forge.checkpoint.stages import rename, whole_model_keys, whole_model_names
 from forge.checkpoint.untrusted import load_dcp
+from forge.config.schema import CheckpointConfig
 
 log = logging.getLogger("forge")
 
@@ -108,7 +109,7 @@ class RunState:
 class Checkpointer:
     """Periodic saves, retention, and resuming for one run."""
 
-    def __init__(self, cfg, run_dir: Path, config_yaml: str = ""):
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, config_yaml: str = ""):
         self.cfg = cfg
         root = Path(cfg.dir)
         self.root = root if root.is_absolute() else Path(run_dir) / root
@@ -154,7 +155,7 @@ class Checkpointer:
         )
         if not existing or resumes_here:
             return
-        if not self.cfg.get("overwrite", False):
+        if not self.cfg.overwrite:
             raise CheckpointError(
                 f"{self.root} already holds {len(existing)} checkpoint(s) of another run (latest {existing[-1].name}) "
                 f"and checkpoint.resume={self.cfg.resume} starts a new one: use another hydra.run.dir, "
@@ -303,7 +304,7 @@ class Checkpointer:
         path = self.resume_path() if path is None else path
         if path is None or not self.config_yaml or not is_complete(path):
             return []
-        enforce = self.cfg.get("check_resume_config", True)
+        enforce = self.cfg.check_resume_config
         changes = check_resume_config(path, OmegaConf.create(self.config_yaml), enforce=enforce)
         if changes and path not in self._reported:
             self._reported.add(path)

@@ -7,9 +7,8 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from forge.config.schema import ConsoleMode
+from forge.config.schema import ConsoleMode, MetricsConfig
 from forge.metrics.trackers import Tracker, build_trackers
 from forge.resilience.progress import rank_ranges
 
@@ -71,7 +70,7 @@ class MetricsLogger:
     @classmethod
     def from_config(
         cls,
-        cfg: Any,
+        cfg: MetricsConfig,
         run_dir: Path,
         total_steps: int,
         tracker_ids: dict[str, str] | None = None,

@@ -1,4 +1,4 @@
-"""What the trainer builds from `cfg.metrics`: the logger (rank 0), the step meter and the profiler."""
+"""What the trainer builds from the metrics section: the logger (rank 0), the step meter and the profiler."""
 
 from pathlib import Path
 
@@ -7,6 +7,7 @@ import torch.distributed as torch_dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from forge.config.sections import RunSections
 from forge.metrics.logger import MetricsLogger
 from forge.metrics.meter import StepMeter, describe_peak
 from forge.metrics.profiler import StepProfiler
@@ -30,23 +31,26 @@ def config_dict(cfg: DictConfig) -> dict:
         return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
 
 
-def build_metrics_logger(cfg: DictConfig, run_dir: Path, tracker_ids: dict[str, str]) -> MetricsLogger:
-    """metrics.jsonl, console and the configured trackers (continuing the runs in tracker_ids)."""
-    return MetricsLogger.from_config(cfg.metrics, run_dir, cfg.train.steps, tracker_ids, config_dict(cfg))
+def build_metrics_logger(
+    settings: RunSections, config: dict, run_dir: Path, tracker_ids: dict[str, str]
+) -> MetricsLogger:
+    """metrics.jsonl, console and the configured trackers (continuing the runs in tracker_ids); `config`, the whole
+    run's config (config_dict), is what the trackers record."""
+    return MetricsLogger.from_config(settings.metrics, run_dir, settings.train.steps, tracker_ids, config)
 
 
-def build_step_meter(cfg: DictConfig, model: nn.Module, device: torch.device, dtype: str) -> StepMeter:
+def build_step_meter(settings: RunSections, model: nn.Module, device: torch.device, dtype: str) -> StepMeter:
     """Step timing and MFU; only rank 0 resolves (and possibly measures) the peak, since only it logs."""
-    flops = training_flops_per_token(model, cfg.train.seq_len)
+    flops = training_flops_per_token(model, settings.train.seq_len)
     peak = None
     if rank() == 0:
-        peak = resolve_peak(device, dtype, cfg.metrics.peak_tflops, cfg.metrics.measure_peak)
+        peak = resolve_peak(device, dtype, settings.metrics.peak_tflops, settings.metrics.measure_peak)
         describe_peak(flops, peak)
     return StepMeter(device, flops, peak, world_size())
 
 
-def build_profiler(cfg: DictConfig, run_dir: Path, device: torch.device) -> StepProfiler:
-    m = cfg.metrics
+def build_profiler(settings: RunSections, run_dir: Path, device: torch.device) -> StepProfiler:
+    m = settings.metrics
     return StepProfiler(
-        run_dir, m.profile_start_step, m.profile_end_step, cfg.train.steps, device, m.memory_snapshot, rank()
+        run_dir, m.profile_start_step, m.profile_end_step, settings.train.steps, device, m.memory_snapshot, rank()
     )

@@ -44,7 +44,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
 from forge.config.degrees import Degrees, pipeline_chunks
-from forge.config.schema import V_SHAPED, ZERO_BUBBLE, PPSchedule, stages_per_rank
+from forge.config.schema import V_SHAPED, ZERO_BUBBLE, ParallelConfig, PPSchedule, stages_per_rank
 from forge.models.common.attention import DocumentMask
 from forge.models.common.moe import moe_layers
 from forge.models.common.moe.balance import router_losses
@@ -364,7 +364,7 @@ def build_pipeline(
     model: nn.Module,
     mesh: DeviceMesh,
     degrees: Degrees,
-    parallel_cfg,
+    parallel_cfg: ParallelConfig,
     device: torch.device,
     loss_fn: Callable,
     parallelize: Callable[[nn.Module], list[Applied] | None],

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import (
 )
 
 from forge.config.degrees import Degrees
-from forge.config.schema import ActivationCheckpoint, CompileScope
+from forge.config.schema import ActivationCheckpoint, CompileScope, ParallelConfig
 from forge.models.common.moe import moe_layers
 from forge.models.spec import spec_of
 from forge.parallel.applied import Applied, logged
@@ -55,7 +55,7 @@ def parallelize(
     model: nn.Module,
     mesh: DeviceMesh | None,
     degrees: Degrees,
-    parallel_cfg,
+    parallel_cfg: ParallelConfig,
     device: torch.device,
     compute_dtype: str = "fp32",
 ) -> list[Applied]:
@@ -83,7 +83,7 @@ def parallelize(
     if parallel_cfg.activation_checkpoint != "none":
         applied.append(apply_activation_checkpointing(model, parallel_cfg.activation_checkpoint))
     if parallel_cfg.compile:
-        if parallel_cfg.get("async_tp"):
+        if parallel_cfg.async_tp:
             applied.append(apply_async_tp(mesh["tp"]))
         applied.append(apply_compile(model, parallel_cfg.cuda_graphs, parallel_cfg.compile_scope))
     shard_mesh = fsdp_mesh(mesh)
@@ -312,18 +312,18 @@ def mesh_dims(mesh: DeviceMesh) -> dict[str, int]:
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def param_dtype(parallel_cfg, compute_dtype: str) -> str:
+def param_dtype(parallel_cfg: ParallelConfig, compute_dtype: str) -> str:
     """The dtype the parameters compute in: parallel.param_dtype, or (null) the compute dtype. FSDP gathers in it,
     and one process computes on a copy in it (forge.train.compute_weights)."""
-    return parallel_cfg.get("param_dtype") or compute_dtype
+    return parallel_cfg.param_dtype or compute_dtype
 
 
-def mixed_precision_policy(parallel_cfg, compute_dtype: str) -> MixedPrecisionPolicy:
+def mixed_precision_policy(parallel_cfg: ParallelConfig, compute_dtype: str) -> MixedPrecisionPolicy:
     """FSDP2's policy: parameters gathered in `param_dtype`, gradients reduced in parallel.reduce_dtype. Under
     bf16 this halves the all-gather bytes and the unsharded parameter memory of an fp32 gather; the sharded fp32
     parameters stay the optimizer's master weights."""
     param = param_dtype(parallel_cfg, compute_dtype)
-    reduce = parallel_cfg.get("reduce_dtype") or "fp32"
+    reduce = parallel_cfg.reduce_dtype or "fp32"
     return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
 
 

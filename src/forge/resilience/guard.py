@@ -9,6 +9,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from forge.config.schema import ResilienceConfig
 from forge.resilience.flight_recorder import dump_line
 from forge.resilience.hard_exit import hard_exit
 from forge.resilience.liveness import EXIT_PEER_LOST, Liveness, PeerLostError, is_collective_failure
@@ -32,7 +33,7 @@ class RollbackRequested(Exception):
 class StepGuard:
     def __init__(
         self,
-        cfg,
+        cfg: ResilienceConfig,
         preemption: PreemptionHandler | None = None,
         run_dir: Path | None = None,
         stage_groups: list[list[int]] | None = None,

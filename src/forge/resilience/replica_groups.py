@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from forge.config.schema import ResilienceConfig
+
 log = logging.getLogger("forge")
 
 
@@ -89,7 +91,9 @@ class ReplicaGroups:
     trained again (with the next batches), so a group behind the others, a restarted one or one resumed from an
     older checkpoint, is the one healed."""
 
-    def __init__(self, cfg, device: torch.device, state: Callable[[], dict], load: Callable[[dict], None]):
+    def __init__(
+        self, cfg: ResilienceConfig, device: torch.device, state: Callable[[], dict], load: Callable[[dict], None]
+    ):
         """`cfg`: the resilience config. `state` / `load`: this rank's state as local shards, and its loading (what
         a live group sends a restarted one). The group joins at its first step (`start_step`): its first
         evaluation and its start-up do not hold the other groups' quorum."""

@@ -16,6 +16,8 @@ from forge.config import ConfigError, conf_dir, register_schemas, validate
 from forge.config.degrees import Degrees
 from forge.config.errors import composition_message, null_section_message
 from forge.config.help import field_help
+from forge.config.schema import ParallelConfig, TrainConfig
+from forge.config.sections import RunSections
 from forge.config.validate import null_group_refusal
 from forge.data.sources import DataError
 from forge.launch.sweep_point import FAILED_FILE, FINISHED_FILE, SWEEP_POINT_ENV, PointFailed
@@ -35,9 +37,9 @@ COMPOSED = False
 """Set by `--calibrate`: measure this machine and write a device profile for `--plan --search` instead of training."""
 
 
-def build_trainer(cfg: DictConfig, degrees: Degrees):
+def build_trainer(cfg: DictConfig, degrees: Degrees, settings: RunSections):
     """The run's trainer (a VLM's with `vlm` set), built after the host is prepared and the model checked to fit."""
-    prepare_host(cfg)  # first: torch reads its huge-page switch at the process's first CPU allocation
+    prepare_host(settings.train)  # first: torch reads its huge-page switch at the process's first CPU allocation
     check_model_fits(cfg, degrees)
     from forge.train.trainer import Trainer
     from forge.train.vlm_trainer import VLMTrainer
@@ -47,15 +49,14 @@ def build_trainer(cfg: DictConfig, degrees: Degrees):
     return trainer(cfg, run_dir, degrees)
 
 
-def prepare_host(cfg: DictConfig) -> None:
+def prepare_host(train: TrainConfig) -> None:
     """Where a CPU run's tensors live (forge.runtime.host_memory): a process-wide choice, made by the command."""
     from forge.parallel.env import read_dist_env
     from forge.runtime.host_memory import prepare_cpu_process
     from forge.train.build import resolve_device
 
-    if resolve_device(cfg.train.device).type == "cpu":
+    if resolve_device(train.device).type == "cpu":
         dist_env = read_dist_env()
-        train = cfg.train
         line = prepare_cpu_process(train.cpu_huge_pages, train.cpu_mmap_threshold_mib, dist_env.world_size)
         if dist_env.rank == 0:
             log.info("%s", line)
@@ -79,11 +80,11 @@ def fit_defaults_to_run(cfg: DictConfig) -> None:
         log.warning("%s", note)
 
 
-def check_launched_world(cfg: DictConfig) -> None:
+def check_launched_world(parallel: ParallelConfig) -> None:
     """parallel.world_size, where set, must be the number of processes launched (it alone sizes `--plan`)."""
     from forge.parallel.env import read_dist_env
 
-    expected, launched = cfg.parallel.world_size, read_dist_env().world_size
+    expected, launched = parallel.world_size, read_dist_env().world_size
     if expected is not None and expected != launched:
         raise ConfigError(
             f"parallel.world_size={expected}, but {launched} process{'es were' if launched > 1 else ' was'} launched: "
@@ -135,8 +136,9 @@ def _task(cfg: DictConfig) -> float | None:
                 log.info("sweep point kept: %s finished before (val loss %s); nothing to run", output_dir(), objective)
                 return objective
         degrees = validate(cfg)  # before the trainer's heavy imports: a config error costs none of them
-        check_launched_world(cfg)
-        summary = build_trainer(cfg, degrees).fit()
+        settings = RunSections.of(cfg)
+        check_launched_world(settings.parallel)
+        summary = build_trainer(cfg, degrees, settings).fit()
     except SweepFolderTaken as err:
         stop(EXIT_CONFIG_ERROR, f"invalid sweep: {err}", "", record=False)
     except ConfigError as err:

@@ -13,8 +13,9 @@ from forge.checkpoint.hf_save import save_run_hf
 from forge.checkpoint.run_lock import hold_run_dir
 from forge.config import validate
 from forge.config.degrees import Degrees, defers_grad_sync
+from forge.config.sections import RunSections
 from forge.metrics.logger import format_duration
-from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter
+from forge.metrics.setup import build_metrics_logger, build_profiler, build_step_meter, config_dict
 from forge.models.common.moe import moe_layers, moe_metrics, update_router_biases
 from forge.parallel import dist
 from forge.parallel.context_parallel import ContextSplit
@@ -71,10 +72,11 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.degrees = validate(cfg) if degrees is None else degrees
+        self.settings = settings = RunSections.of(cfg)  # what the components read, typed
         # first: a preemption signal during a long start-up must still end in a checkpoint, not in death by signal
-        res = cfg.resilience
+        res = settings.resilience
         self.preemption = PreemptionHandler(list(res.preemption_signals), res.preemption_deadline_s)
-        train = cfg.train
+        train = settings.train
         if train.threads > 0:
             torch.set_num_threads(train.threads)
         torch.manual_seed(train.seed)
@@ -86,11 +88,11 @@ class Trainer:
         self.dtype = resolve_dtype(train.dtype, self.device)
         check_device(self.device)
         flight_recorder.enable(res.flight_recorder_entries)  # read when the process groups are made
-        self.owns_process_group = dist.init_distributed(self.device, timeout_s=cfg.resilience.collective_timeout_s)
+        self.owns_process_group = dist.init_distributed(self.device, timeout_s=res.collective_timeout_s)
         self.run_dir = Path(dist.shared_run_dir(str(self.run_dir)))
         if not dist.is_main_process():
             log.setLevel(logging.WARNING)
-        ckpt = cfg.checkpoint
+        ckpt = settings.checkpoint
         self.run_lock = hold_run_dir(self.run_dir, ckpt.run_lock, ckpt.run_lock_timeout_s)  # one job per run dir
         self.checkpointer = Checkpointer(ckpt, self.run_dir, build.config_yaml(cfg))
         self.checkpointer.check_run_dir()  # a fresh run never mixes with another run's checkpoints
@@ -114,11 +116,11 @@ class Trainer:
             train.eval_batches * train.global_batch_size // (train.micro_batch_size * self.dp_size)
         )
         self.defer_grad_sync = defers_grad_sync(
-            self.degrees, cfg.parallel.pp_schedule, cfg.parallel.get("defer_grad_sync")
+            self.degrees, settings.parallel.pp_schedule, settings.parallel.defer_grad_sync
         )
         # a pipeline's step keeps its casts for the schedule's chunks (one autocast scope around the schedule)
         self.holds_weight_casts = self.degrees.pp == 1 and holds_weight_casts(
-            self.dtype, self.grad_accum, self.degrees.fsdp_shard > 1, cfg.parallel.activation_checkpoint != "none"
+            self.dtype, self.grad_accum, self.degrees.fsdp_shard > 1, settings.parallel.activation_checkpoint != "none"
         )
 
         self.build_model_and_data()
@@ -128,20 +130,20 @@ class Trainer:
         set_optimizer_mode(self.optimizer, "train")  # schedule-free: DCP's state init takes a (zero-lr) step
         self.masked_updates = masks_on_device(self.optimizer)  # a non-finite step's update is dropped on the device
         self.loader = build.build_loader(cfg, self.corpus, self.data_rank, self.data_size)
-        if cfg.train.overfit_batches:
-            self.loader = RepeatedBatches(self.loader, cfg.train.overfit_batches * self.grad_accum)
+        if train.overfit_batches:
+            self.loader = RepeatedBatches(self.loader, train.overfit_batches * self.grad_accum)
         self.state = self.restore()
-        self.guard = StepGuard(
-            cfg.resilience, self.preemption, self.run_dir, stage_groups(self.mesh, self.degrees.world_size)
-        )
+        self.guard = StepGuard(res, self.preemption, self.run_dir, stage_groups(self.mesh, self.degrees.world_size))
         self.replicas = self.join_replica_groups()
         self.preempted = False
         self.metrics = (
-            build_metrics_logger(cfg, self.run_dir, self.state.tracker_ids) if dist.is_main_process() else NullMetrics()
+            build_metrics_logger(settings, config_dict(cfg), self.run_dir, self.state.tracker_ids)
+            if dist.is_main_process()
+            else NullMetrics()
         )
         self.state.tracker_ids.update(self.metrics.tracker_ids())
-        self.meter = build_step_meter(cfg, self.model, self.device, self.dtype)
-        self.profiler = build_profiler(cfg, self.run_dir, self.device)
+        self.meter = build_step_meter(settings, self.model, self.device, self.dtype)
+        self.profiler = build_profiler(settings, self.run_dir, self.device)
         n_params = self.n_params
         log.info(
             "model %.2fM parameters | %d steps x %d tokens | grad accum %d | device %s | %s",
@@ -156,12 +158,12 @@ class Trainer:
     def join_replica_groups(self):
         """Under resilience.fault_tolerance=torchft, this rank's part in the replica groups (else None). Their
         gradients are averaged as token means, so the step body divides by its own token count first."""
-        if self.cfg.resilience.fault_tolerance != "torchft":
+        if self.settings.resilience.fault_tolerance != "torchft":
             return None
         from forge.resilience.replica_groups import ReplicaGroups
 
         self.step_body.count_folded = False
-        return ReplicaGroups(self.cfg.resilience, self.device, self.replica_state, self.load_replica_state)
+        return ReplicaGroups(self.settings.resilience, self.device, self.replica_state, self.load_replica_state)
 
     def stop_uncommitted(self) -> None:
         """After a dropped step under torchft: nothing to do unless a stop was signalled, then the checkpoint of the
@@ -195,7 +197,7 @@ class Trainer:
         self.meter.restart(self.state.step, self.state.tokens_seen)
         log.warning(
             "replica group %d: took a live group's state at step %d (weights, optimizer, schedule, data position)",
-            self.cfg.resilience.ft_replica_id,
+            self.settings.resilience.ft_replica_id,
             self.state.step,
         )
 
@@ -217,8 +219,8 @@ class Trainer:
                 self.pipeline, self.device, self.dtype, self.defer_grad_sync, self.mesh, context
             )
         else:
-            parallelize(self.model, self.mesh, self.degrees, cfg.parallel, self.device, self.dtype)
-            build.materialize_parallel(cfg, self.model, self.device, cfg.train.seed)
+            parallelize(self.model, self.mesh, self.degrees, self.settings.parallel, self.device, self.dtype)
+            build.materialize_parallel(cfg, self.model, self.device, self.settings.train.seed)
             self.step_body = TextStep(
                 self.model,
                 self.device,
@@ -234,10 +236,10 @@ class Trainer:
     def build_compute_weights(self) -> ComputeWeights | None:
         """The bf16 copy of the weights the steps compute with, on a model whose parameters are plain tensors
         (FSDP gathers its own in parallel.param_dtype); None in fp32 or under float8."""
-        cfg = self.cfg
-        if cfg.parallel.fp8:
+        parallel = self.settings.parallel
+        if parallel.fp8:
             return None
-        return compute_weights(self.model, param_dtype(cfg.parallel, self.dtype), fixed=cfg.parallel.cuda_graphs)
+        return compute_weights(self.model, param_dtype(parallel, self.dtype), fixed=parallel.cuda_graphs)
 
     def log_weight_casts(self) -> None:
         """Say how the step meets bf16: one copy of the weights, or autocast's casts held over its micro-batches."""
@@ -248,22 +250,22 @@ class Trainer:
 
     def build_pipeline(self) -> Pipeline:
         """This rank's pipeline stages, parallelized and initialised as the whole model would be in one process."""
-        cfg = self.cfg
+        parallel = self.settings.parallel
         return build_pipeline(
             self.model,
             self.mesh,
             self.degrees,
-            cfg.parallel,
+            parallel,
             self.device,
             loss_fn=cross_entropy,
-            parallelize=lambda part: parallelize(part, self.mesh, self.degrees, cfg.parallel, self.device, self.dtype),
-            seed=cfg.train.seed,
+            parallelize=lambda part: parallelize(part, self.mesh, self.degrees, parallel, self.device, self.dtype),
+            seed=self.settings.train.seed,
             defer_grad_sync=self.defer_grad_sync,
         )
 
     def restore(self) -> RunState:
         """Resume per checkpoint.resume, or warm-start per checkpoint.load_weights, or start fresh."""
-        ckpt = self.cfg.checkpoint
+        ckpt = self.settings.checkpoint
         self.freeze.before_restore(self.optimizer)
         path = self.checkpointer.resume_path()
         if path is not None:
@@ -284,7 +286,7 @@ class Trainer:
         the grad norm, as tensors (`token_mean` of the first two is the step's loss: the loop reduces them over the
         dp ranks only when it logs). The loss is the mean over the global batch's labelled tokens, whatever the
         micro-batch size, accumulation and dp size (see the step bodies, forge.train.steps)."""
-        train = self.cfg.train
+        train = self.settings.train
         self.freeze.before_step(step - 1)
         with self.meter.waiting_for_data():
             batches = [self.loader.next_batch() for _ in range(self.grad_accum)]
@@ -323,10 +325,10 @@ class Trainer:
         return loss_sum, tokens, grad_norm
 
     def is_log_step(self, step: int) -> bool:
-        return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
+        return step % self.settings.train.log_every == 0 or step == self.settings.train.steps
 
     def is_eval_step(self, step: int) -> bool:
-        train = self.cfg.train
+        train = self.settings.train
         return bool(train.eval_every and step % train.eval_every == 0) or step == train.steps
 
     def reads_host(self, step: int) -> bool:
@@ -335,7 +337,7 @@ class Trainer:
         return (
             self.is_log_step(step)
             or self.is_eval_step(step)
-            or self.checkpointer.should_save(step, self.cfg.train.steps)
+            or self.checkpointer.should_save(step, self.settings.train.steps)
         )
 
     def skip_step(self) -> None:
@@ -364,7 +366,7 @@ class Trainer:
             )
         set_optimizer_mode(self.optimizer, "eval")  # leave the model at the weights that were evaluated and saved
         if not self.preempted:  # checkpoint.save_hf: the final weights as a Hugging Face folder (collective)
-            save_run_hf(self.cfg.checkpoint, self.run_dir, self.model, getattr(self.corpus, "tokenizer", None))
+            save_run_hf(self.settings.checkpoint, self.run_dir, self.model, getattr(self.corpus, "tokenizer", None))
         self.metrics.close()
         summary = {
             "steps": self.state.step,
@@ -419,12 +421,12 @@ class Trainer:
                 self.run_lock.release()
 
     def warn_if_trained(self) -> None:
-        if self.state.step >= self.cfg.train.steps:
+        if self.state.step >= self.settings.train.steps:
             log.warning(
                 "the run resumed at step %d, which is not before train.steps=%d: nothing to train (raise train.steps "
                 "to continue it)",
                 self.state.step,
-                self.cfg.train.steps,
+                self.settings.train.steps,
             )
 
     def log_step(self, step: int, lr: float, loss_sum, tokens, grad_norm) -> torch.Tensor:
@@ -458,7 +460,7 @@ class Trainer:
         )
 
     def evaluate(self) -> float:
-        train = self.cfg.train
+        train = self.settings.train
         set_optimizer_mode(self.optimizer, "eval")  # schedule-free: evaluate the averaged weights
         batches = self.corpus.val_batches(
             train.seq_len, train.micro_batch_size, self.eval_micro_batches, self.dp_rank, self.dp_size
@@ -471,7 +473,7 @@ class Trainer:
         """Train to train.steps (or until preempted): the first evaluation, then each step trains, logs, evaluates
         and saves when due. The guard reads each step's non-finite and stop flags (`before_step`, `after_step`:
         skip a rolled-back step's batches, read the flags when the host waits anyway, stop on a signal)."""
-        train = self.cfg.train
+        train = self.settings.train
         with self.ending_cleanly(), debug_modes(train.detect_anomaly, train.deterministic, self.device):
             self.warn_if_trained()
             self.model.train()

@@ -45,10 +45,11 @@ class VLMTrainer(Trainer):
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.model.encoder.to(self.device)
         self.freeze = FreezeSchedule(self.model)
-        policy = mixed_precision_policy(cfg.parallel, self.dtype)
-        parallelize_vlm(self.model, self.mesh, cfg.parallel.activation_checkpoint, policy)
+        parallel = self.settings.parallel
+        policy = mixed_precision_policy(parallel, self.dtype)
+        parallelize_vlm(self.model, self.mesh, parallel.activation_checkpoint, policy)
         # Each rank allocates and fills only its shards: no rank holds the whole decoder.
-        materialize_sharded(self.model, self.model, cfg.train.seed, self.device)
+        materialize_sharded(self.model, self.model, self.settings.train.seed, self.device)
         self.step_body = VLMStep(
             self.model,
             self.device,
