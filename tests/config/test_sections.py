@@ -12,7 +12,10 @@ from forge.config.sections import RunSections
 
 
 def test_each_section_is_its_schemas_instance_with_the_resolved_values():
-    cfg = compose(["train.global_batch_size=8", "train.micro_batch_size=null", "train.max_micro_batch_size=2"])
+    interpolated = "metrics.run_name=${metrics.project}-${train.seed}"
+    cfg = compose(
+        ["train.global_batch_size=8", "train.micro_batch_size=null", "train.max_micro_batch_size=2", interpolated]
+    )
     validate(cfg, world_size=2)
     sections = RunSections.of(cfg)
     expected = {
@@ -24,6 +27,7 @@ def test_each_section_is_its_schemas_instance_with_the_resolved_values():
     }
     assert {f.name: type(getattr(sections, f.name)) for f in dataclasses.fields(sections)} == expected
     assert sections.train.micro_batch_size == 2  # what validation resolved (8 over 2 ranks, at most 2 each)
+    assert sections.metrics.run_name == f"forge-{sections.train.seed}"
     for name in expected:  # every field as the config holds it, interpolations resolved
         assert dataclasses.asdict(getattr(sections, name)) == OmegaConf.to_container(cfg[name], resolve=True)
 
@@ -35,11 +39,20 @@ def test_a_section_composed_without_its_schema_is_refused():
         RunSections.of(cfg)
 
 
-def test_the_trainers_components_hold_their_typed_sections(tmp_path):
-    from forge.train.trainer import Trainer
+def test_the_trainers_components_hold_their_typed_sections(monkeypatch, tmp_path):
+    import forge.train.trainer as trainer_module
 
+    given = []
+
+    def recording(model, mesh, degrees, parallel_cfg, *args):
+        given.append(type(parallel_cfg))
+        return parallelize(model, mesh, degrees, parallel_cfg, *args)
+
+    parallelize = trainer_module.parallelize
+    monkeypatch.setattr(trainer_module, "parallelize", recording)
     cfg = compose(["train.steps=1", "scheduler.warmup_steps=1", "train.eval_batches=1", "checkpoint.save_final=true"])
-    trainer = Trainer(cfg, tmp_path)
+    trainer = trainer_module.Trainer(cfg, tmp_path)
+    assert given == [ParallelConfig]
     assert type(trainer.checkpointer.cfg) is CheckpointConfig
     assert type(trainer.guard.cfg) is ResilienceConfig
     assert trainer.fit()["steps"] == 1

@@ -14,7 +14,8 @@ from forge.config.schema import CheckpointConfig, MetricsConfig, ParallelConfig,
 
 @dataclass(frozen=True)
 class RunSections:
-    """The sections the trainer's components read, resolved and typed."""
+    """The sections the trainer's components read, resolved and typed: a snapshot of the validated config (the
+    run changes nothing in it after validation)."""
 
     train: TrainConfig
     """Steps, batch, dtype, device and the loop's cadence."""

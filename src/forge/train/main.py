@@ -46,7 +46,7 @@ def build_trainer(cfg: DictConfig, degrees: Degrees, settings: RunSections):
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     trainer = VLMTrainer if cfg.get("vlm") is not None else Trainer
-    return trainer(cfg, run_dir, degrees)
+    return trainer(cfg, run_dir, degrees, settings)
 
 
 def prepare_host(train: TrainConfig) -> None:

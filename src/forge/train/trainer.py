@@ -66,13 +66,16 @@ class NullMetrics:
 class Trainer:
     """Builds every piece from the composed config, then runs the loop."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, degrees: Degrees | None = None):
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, degrees: Degrees | None = None, settings: RunSections | None = None
+    ):
         """`degrees`: what validate(cfg) returned, when the caller (forge-train) validated the config already;
-        None validates it here (a trainer built in-process)."""
+        None validates it here (a trainer built in-process). `settings`: the caller's RunSections.of(cfg), or None
+        to take them here."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.degrees = validate(cfg) if degrees is None else degrees
-        self.settings = settings = RunSections.of(cfg)  # what the components read, typed
+        self.settings = settings = settings or RunSections.of(cfg)  # what the components read, typed
         # first: a preemption signal during a long start-up must still end in a checkpoint, not in death by signal
         res = settings.resilience
         self.preemption = PreemptionHandler(list(res.preemption_signals), res.preemption_deadline_s)
