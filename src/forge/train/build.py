@@ -1,6 +1,7 @@
 """Builders for the pieces of a run, each from its config group."""
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from hydra.utils import instantiate
@@ -10,6 +11,9 @@ from torch import nn
 from forge.data import Corpus, Loader
 from forge.models.spec import spec_of
 from forge.train.optim import param_groups
+
+if TYPE_CHECKING:
+    from forge.config.schema import TrainConfig
 
 log = logging.getLogger("forge")
 
@@ -65,9 +69,8 @@ def build_corpus(cfg: DictConfig) -> Corpus:
     return instantiate(cfg.data)
 
 
-def build_loader(cfg: DictConfig, corpus: Corpus, dp_rank: int, dp_size: int) -> Loader:
+def build_loader(train: "TrainConfig", corpus: Corpus, dp_rank: int, dp_size: int) -> Loader:
     """This rank's training loader of the corpus."""
-    train = cfg.train
     return corpus.make_loader(
         train.seq_len, train.micro_batch_size, train.global_batch_size, train.seed, dp_rank, dp_size
     )

@@ -132,7 +132,7 @@ class Trainer:
         self.optimizer, self.scheduler = build.build_optimizer(cfg, self.model)
         set_optimizer_mode(self.optimizer, "train")  # schedule-free: DCP's state init takes a (zero-lr) step
         self.masked_updates = masks_on_device(self.optimizer)  # a non-finite step's update is dropped on the device
-        self.loader = build.build_loader(cfg, self.corpus, self.data_rank, self.data_size)
+        self.loader = build.build_loader(settings.train, self.corpus, self.data_rank, self.data_size)
         if train.overfit_batches:
             self.loader = RepeatedBatches(self.loader, train.overfit_batches * self.grad_accum)
         self.state = self.restore()
