@@ -18,17 +18,18 @@ head, on the last stage) from forge.planning.flops:
     exposed dp = max(0, fsdp + replicate - compute - recompute) + one block's gather per micro-batch: FSDP prefetch
                  and the backward hide the rest; all of fsdp + replicate on a CPU host whose ranks share its
                  cores (Device.shares_cores: gloo moves and sums the bytes on the cores that compute)
-    tp         = n x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
+    tp         = n x c x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
                  all-reduces (as sequence-parallel all-gather + reduce-scatter) of micro x seq_len x dim
-                 activations, 2 (tp - 1) / tp of them per rank, and on the last stage the cross-entropy's three
-                 all-reduces of one fp32 number per token (the logits stay split over the vocabulary), plus
-                 the all-reduce of the replicated norm weights' gradients, not hidden
-    cp         = n x blocks x (2, or 3 with full or selective checkpointing: selective recomputes the
+                 activations in all, 2 (tp - 1) / tp of them per rank, and on the last stage the cross-entropy's
+                 three all-reduces of one fp32 number per token (the logits stay split over the vocabulary): each
+                 pipeline chunk runs its own collectives on its share of the tokens; plus, per micro-batch, the
+                 all-reduce of the replicated norm weights' gradients, not hidden
+    cp         = n x c x blocks x (2, or 3 with full or selective checkpointing: selective recomputes the
                  collective too) passes over the keys and values (all-gathers forward and in the recompute,
                  reduce-scatters of their gradients backward) of micro x seq_len x
                  kv_width / tp elements (keys plus values per token: forge.models.llama.args), (cp - 1) / cp of them per
                  rank, not hidden (attention waits on them)
-    ep         = n x MoE blocks x (4, or 6) all-to-alls of micro x seq_len x top_k x dim, (ep - 1) / ep of them
+    ep         = n x c x MoE blocks x (4, or 6) all-to-alls of micro x seq_len x top_k x dim, (ep - 1) / ep of them
     pp p2p     = T / dp x dim activations sent per stage boundary and direction (forward from all but the last
                  stage, gradients back from all but the first); with tied embeddings the first and last stage
                  also all-reduce the embedding's gradient shard (4 V dim / tp / dp_shard bytes)
@@ -306,14 +307,17 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             moe_blocks = sum(moe.in_block(b) for b in blocks) if moe is not None else 0
             router_bytes = moe_blocks * 2 * t_share * micro_tokens * moe.num_experts * act_bytes if moe_blocks else 0
             moved["tp"] = n_micro * (elems * act_bytes + loss_bytes + norm_bytes + router_bytes)
-            calls = reduces * 2 + (3 if last else 0) + len(blocks) * 2 + (1 if last else 0) + moe_blocks
+            # each pipeline chunk's forward and backward run their own collectives (the bytes split among them);
+            # the norms' gradients are reduced once per micro-batch
+            per_pass = reduces * 2 + (3 if last else 0) + moe_blocks
+            calls = chunks * per_pass + len(blocks) * 2 + (1 if last else 0)
             seconds, lat = links.seconds("tp", moved["tp"], n_micro * calls)
             t["tp"] = seconds
             latency += lat
         if layout.cp > 1:
             per_cp = 4 if layout.activation_checkpoint == "none" else 6  # selective keeps matmuls, not collectives
-            calls = n_micro * len(blocks) * per_cp  # keys and values: a call each, per pass
-            passes = calls / 2
+            calls = n_micro * chunks * len(blocks) * per_cp  # keys and values: a call each, per pass and chunk
+            passes = calls / 2 / chunks  # the chunks split the keys and values of a micro-batch
             elems = (
                 passes * (layout.cp - 1) / layout.cp * layout.micro_batch_size * seq * cost.kv_width(args) / layout.tp
             )
@@ -325,7 +329,7 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             moe_blocks = sum(moe.in_block(b) for b in blocks)
             elems = n_micro * moe_blocks * per_tp * (layout.ep - 1) / layout.ep * micro_tokens * moe.top_k
             moved["ep"] = elems * args.dim * act_bytes
-            seconds, lat = links.seconds("ep", moved["ep"], n_micro * moe_blocks * per_tp)
+            seconds, lat = links.seconds("ep", moved["ep"], n_micro * chunks * moe_blocks * per_tp)
             t["ep"] = seconds
             latency += lat
         if layout.pp > 1:
