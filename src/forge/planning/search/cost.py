@@ -18,18 +18,20 @@ head, on the last stage) from forge.planning.flops:
     exposed dp = max(0, fsdp + replicate - compute - recompute) + one block's gather per micro-batch: FSDP prefetch
                  and the backward hide the rest; all of fsdp + replicate on a CPU host whose ranks share its
                  cores (Device.shares_cores: gloo moves and sums the bytes on the cores that compute)
-    tp         = n x c x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
+    tp         = n x (blocks x (4, or 6 with full checkpointing) + 1 per end of the model on this stage)
                  all-reduces (as sequence-parallel all-gather + reduce-scatter) of micro x seq_len x dim
-                 activations in all, 2 (tp - 1) / tp of them per rank, and on the last stage the cross-entropy's
-                 three all-reduces of one fp32 number per token (the logits stay split over the vocabulary): each
-                 pipeline chunk runs its own collectives on its share of the tokens; plus, per micro-batch, the
-                 all-reduce of the replicated norm weights' gradients, not hidden
-    cp         = n x c x blocks x (2, or 3 with full or selective checkpointing: selective recomputes the
+                 activations, 2 (tp - 1) / tp of them per rank, on the last stage the cross-entropy's three
+                 all-reduces of one fp32 number per token (the logits stay split over the vocabulary) and in MoE
+                 blocks the router logits' gradient: those bytes in n x c calls of each, a chunk's share of the
+                 tokens each; plus the all-reduce of the replicated norm weights' gradients, whenever FSDP reduces
+                 (n x c, or n where it defers; once per step without FSDP), not hidden
+    cp         = n x blocks x (2, or 3 with full or selective checkpointing: selective recomputes the
                  collective too) passes over the keys and values (all-gathers forward and in the recompute,
                  reduce-scatters of their gradients backward) of micro x seq_len x
                  kv_width / tp elements (keys plus values per token: forge.models.llama.args), (cp - 1) / cp of them per
-                 rank, not hidden (attention waits on them)
-    ep         = n x c x MoE blocks x (4, or 6) all-to-alls of micro x seq_len x top_k x dim, (ep - 1) / ep of them
+                 rank, in n x c x blocks x (4, or 6) calls, not hidden (attention waits on them)
+    ep         = n x MoE blocks x (4, or 6) all-to-alls of micro x seq_len x top_k x dim, (ep - 1) / ep of them, in
+                 n x c x MoE blocks x (4, or 6) calls
     pp p2p     = T / dp x dim activations sent per stage boundary and direction (forward from all but the last
                  stage, gradients back from all but the first); with tied embeddings the first and last stage
                  also all-reduce the embedding's gradient shard (4 V dim / tp / dp_shard bytes)
@@ -299,19 +301,21 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             elems = reduces * 2 * t_share * micro_tokens * args.dim
             # vocabulary-parallel cross-entropy: the max, the sum of exponentials and the label's logit per token
             loss_bytes = 3 * 2 * t_share * micro_tokens * 4 if last else 0
-            # the replicated norm weights' gradients, all-reduced after each micro-batch's backward (in the
-            # gathered dtype under FSDP's mixed precision, else fp32)
+            # the replicated norm weights' gradients (partial over the tp ranks), all-reduced when FSDP reduces:
+            # after each pipeline chunk's backward, or each micro-batch's where FSDP defers to the end of a
+            # schedule step; without FSDP once per step, at the clipping (in the gathered dtype under FSDP's mixed
+            # precision, else fp32)
             norms = len(blocks) * cost.block_norm_elems(args) + (args.dim if last else 0)
             norm_bytes = 2 * t_share * norms * (act_bytes if shard > 1 else 4)
+            norm_syncs = (n_micro if deferred else n_micro * chunks) if shard > 1 else 1
             # an MoE router's logits gradient (tokens x experts), summed over the tp ranks in each backward
             moe_blocks = sum(moe.in_block(b) for b in blocks) if moe is not None else 0
             router_bytes = moe_blocks * 2 * t_share * micro_tokens * moe.num_experts * act_bytes if moe_blocks else 0
-            moved["tp"] = n_micro * (elems * act_bytes + loss_bytes + norm_bytes + router_bytes)
-            # each pipeline chunk's forward and backward run their own collectives (the bytes split among them);
-            # the norms' gradients are reduced once per micro-batch
+            moved["tp"] = n_micro * (elems * act_bytes + loss_bytes + router_bytes) + norm_syncs * norm_bytes
+            # each pipeline chunk's forward and backward run their own collectives (the bytes split among them)
             per_pass = reduces * 2 + (3 if last else 0) + moe_blocks
-            calls = chunks * per_pass + len(blocks) * 2 + (1 if last else 0)
-            seconds, lat = links.seconds("tp", moved["tp"], n_micro * calls)
+            calls = n_micro * chunks * per_pass + norm_syncs * (len(blocks) * 2 + (1 if last else 0))
+            seconds, lat = links.seconds("tp", moved["tp"], calls)
             t["tp"] = seconds
             latency += lat
         if layout.cp > 1:
