@@ -320,8 +320,9 @@ def predict(layout: Layout, shape: ModelShape, cfg_train, device: Device, settin
             latency += lat
         if layout.cp > 1:
             per_cp = 4 if layout.activation_checkpoint == "none" else 6  # selective keeps matmuls, not collectives
-            calls = n_micro * chunks * len(blocks) * per_cp  # keys and values: a call each, per pass and chunk
-            passes = calls / 2 / chunks  # the chunks split the keys and values of a micro-batch
+            per_micro = len(blocks) * per_cp  # keys and values: a call each, per pass
+            passes = n_micro * per_micro / 2  # the bytes: a micro-batch's keys and values, whatever its chunks
+            calls = n_micro * chunks * per_micro  # each chunk makes its own calls
             elems = (
                 passes * (layout.cp - 1) / layout.cp * layout.micro_batch_size * seq * cost.kv_width(args) / layout.tp
             )
